@@ -1,0 +1,1 @@
+"""DFlash2 drafter training (self-distillation) for vllm-dflash2."""

@@ -1,0 +1,76 @@
+"""Offline acceptance estimator: greedy speculative decoding with the HF target and the
+torch drafter (DFlash2: greedy selector walk via ``walk_ref``; DFlash: per-position argmax).
+tau = generated tokens / verify steps = 1 + accepted / drafts, as vLLM's counters give.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .data import chat_ids
+from .model import DraftModel, propose
+
+
+@torch.no_grad()
+def speculative_greedy(target, draft: DraftModel, prompt_ids: list[int], max_new_tokens: int,
+                       eos_id: int | None = None) -> dict:
+    from transformers import DynamicCache
+
+    cfg = draft.cfg
+    k_spec = cfg.block_size - 1
+    embed = target.get_input_embeddings().weight.float()
+    layer_ids = cfg.target_layer_ids
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    cache = DynamicCache()
+    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[j + 1] for j in layer_ids], dim=-1).float()
+    tokens = ids[0].tolist()
+    anchor = int(out.logits[0, -1].argmax())
+    generated, steps, per_pos = 1, 0, [0] * k_spec
+    while generated < max_new_tokens and anchor != eos_id:
+        seq = torch.tensor([tokens + [anchor]], dtype=torch.long)
+        drafts = propose(draft, feats, seq, len(tokens), embed).tolist()
+        inp = torch.tensor([[anchor] + drafts], dtype=torch.long)
+        out = target(input_ids=inp, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        greedy = out.logits[0].argmax(-1).tolist()
+        n = 0
+        while n < k_spec and drafts[n] == greedy[n] and drafts[n] != eos_id:
+            n += 1
+        # eos inside the accepted prefix ends the sequence
+        for i in range(n):
+            per_pos[i] += 1
+        steps += 1
+        new_feats = torch.cat([out.hidden_states[j + 1][:, : n + 1] for j in layer_ids], dim=-1).float()
+        feats = torch.cat((feats, new_feats), dim=1)
+        tokens += [anchor] + drafts[:n]
+        cache.crop(len(tokens))
+        anchor = greedy[n]
+        generated += n + 1
+    return {"steps": steps, "generated": generated, "accepted_per_pos": per_pos,
+            "tau": (generated - 1) / max(steps, 1) if steps else 1.0}
+
+
+@torch.no_grad()
+def estimate_tau(target, tok, draft: DraftModel, prompts: list[dict], max_new_tokens: int = 256) -> dict:
+    """Mean acceptance length per prompt kind (and overall) over ``prompts``."""
+    draft.eval()
+    res: dict[str, dict] = {}
+    t0 = time.time()
+    for p in prompts:
+        r = speculative_greedy(target, draft, chat_ids(tok, p["prompt"]), max_new_tokens, tok.eos_token_id)
+        for key in (p.get("kind", "all"), "all"):
+            acc = res.setdefault(key, {"steps": 0, "generated": 0, "accepted_per_pos": None, "prompts": 0})
+            acc["steps"] += r["steps"]
+            acc["generated"] += r["generated"] - 1
+            acc["prompts"] += 1
+            pp = r["accepted_per_pos"]
+            acc["accepted_per_pos"] = pp if acc["accepted_per_pos"] is None else [
+                a + b for a, b in zip(acc["accepted_per_pos"], pp)]
+    for acc in res.values():
+        acc["tau"] = acc["generated"] / max(acc["steps"], 1) if acc["steps"] else 1.0
+        acc["acceptance_per_pos"] = [a / max(acc["steps"], 1) for a in acc["accepted_per_pos"]]
+    res["seconds"] = time.time() - t0
+    draft.train()
+    return res

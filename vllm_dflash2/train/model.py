@@ -1,0 +1,406 @@
+"""Trainable DFlash2 / DFlash drafter in plain PyTorch.
+
+Computes what vLLM's ``qwen3_dflash.py`` + ``qwen3_dflash2.py`` compute at inference
+(context K/V from ``hidden_norm(fc(target features))`` without input_layernorm, per-head
+q/k norms, neox RoPE at absolute positions, non-causal attention inside the block,
+Qwen3 pre-norm decoder layers wrapped in the grouped dynamic convolutions, final norm).
+The convolutions and the candidate selector reuse ``vllm_dflash2.ops.reference``.
+Parameter names equal the native checkpoint names, so ``state_dict()`` is the export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.reference import grouped_conv_prepare_ref, grouped_conv_finish_ref, score_edges_ref
+
+MASK_EMBEDDING_FILENAME = "mask_embedding.pt"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 100000.0
+    max_position_embeddings: int = 8192
+    vocab_size: int = 49152
+    target_hidden_size: int = 576
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 8, 15, 22, 29])
+    mask_token_id: int = 16
+    block_size: int = 8
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    variant: str = "dflash2"  # or "dflash" (plain v1: no conv, no selector)
+
+    @property
+    def dflash2(self) -> bool:
+        return self.variant == "dflash2"
+
+    def hf_config(self) -> dict:
+        """The native ``config.json`` that vLLM reads."""
+        dflash = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "block_size": self.block_size,
+        }
+        if self.dflash2:
+            dflash.update(
+                conv_kernel_size=self.conv_kernel_size,
+                conv_group_size=self.conv_group_size,
+                selector_rank=self.selector_rank,
+                selector_top_k=self.selector_top_k,
+            )
+        return {
+            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "is_causal": False,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "block_size": self.block_size,
+            "torch_dtype": "bfloat16",
+            "dflash_config": dflash,
+            "vllm_dflash2_train_config": asdict(self),
+        }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [..., T, heads, d]; cos/sin [..., T, d] (neox / rotate-half style, as vLLM and HF)
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rot * sin.unsqueeze(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.d = nh, nkv, d
+        self.q_proj = nn.Linear(h, nh * d, bias=False)
+        self.k_proj = nn.Linear(h, nkv * d, bias=False)
+        self.v_proj = nn.Linear(h, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, s, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).view(b, s, self.nkv, self.d))
+        v = self.v_proj(ctx).view(b, s, self.nkv, self.d)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        # x [b, R, H] block rows; ctx_k/v [b, S, nkv, d]; mask [b, R, S + R] bool (True = visible)
+        b, r, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, r, self.nh, self.d)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, r, self.nkv, self.d)), cos, sin)
+        v = self.v_proj(x).view(b, r, self.nkv, self.d)
+        k = torch.cat((ctx_k, k), dim=1).transpose(1, 2)
+        v = torch.cat((ctx_v, v), dim=1).transpose(1, 2)
+        rep = self.nh // self.nkv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=self.d ** -0.5
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, r, self.nh * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GroupedConv(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        t, h = cfg.conv_kernel_size, cfg.hidden_size
+        self.groups = h // cfg.conv_group_size
+        self.group_size = cfg.conv_group_size
+        base = torch.zeros(2, t, h)
+        base[:, 0, :] = 1.0  # identity init
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(h, 2 * t * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def prepare(self, x: torch.Tensor, block: int):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        out, coef = grouped_conv_prepare_ref(
+            flat, self.kernel_projection(flat), self.base_kernel[0], block, self.group_size
+        )
+        return out.view(shape), coef
+
+    def finish(self, x: torch.Tensor, coef: torch.Tensor, block: int):
+        shape = x.shape
+        out = grouped_conv_finish_ref(x.reshape(-1, shape[-1]), coef, self.base_kernel[1], block, self.group_size)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.conv = cfg.dflash2
+        if cfg.dflash2:
+            self.attention_conv = GroupedConv(cfg)
+            self.mlp_conv = GroupedConv(cfg)
+
+    def forward(self, h, res, cos, sin, ctx_k, ctx_v, mask, block):
+        if res is None:
+            res = h
+            h = self.input_layernorm(h)
+        else:
+            res = h + res
+            h = self.input_layernorm(res)
+        if self.conv:
+            h, c1 = self.attention_conv.prepare(h, block)
+        h = self.self_attn(h, cos, sin, ctx_k, ctx_v, mask)
+        if self.conv:
+            h = self.attention_conv.finish(h, c1, block)
+        res = h + res
+        h = self.post_attention_layernorm(res)
+        if self.conv:
+            h, c2 = self.mlp_conv.prepare(h, block)
+        h = self.mlp(h)
+        if self.conv:
+            h = self.mlp_conv.finish(h, c2, block)
+        return h, res
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank) * 0.02)
+        self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank) * 0.02)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+
+    def forward(self, cand, unary, hidden, anchor):
+        return score_edges_ref(
+            cand, unary, self.hidden_projection(hidden), anchor,
+            self.predecessor_codebook, self.successor_codebook,
+        )
+
+
+class DraftModel(nn.Module):
+    """Drafter; ``embed``/``lm_head`` weights are the target's (passed in, frozen)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        a = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(a * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dflash2:
+            self.candidate_selector = CandidateSelector(cfg)
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and "kernel_projection" not in name and "codebook" not in name \
+                    and "hidden_projection" not in name:
+                nn.init.normal_(p, std=0.02)
+
+    def init_mask_embedding(self, embed: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.mask_embedding.copy_(embed[self.cfg.mask_token_id].float())
+
+    def forward(self, feats, tokens, anchors, embed):
+        """Hidden states of every block row.
+
+        feats [b, S, A*Ht] target features of the context tokens, tokens [b, S],
+        anchors [b, nb] indices into the sequence (context = positions < anchor),
+        embed [V, H] target embedding. Returns [b, nb, B, H].
+        """
+        cfg = self.cfg
+        b, s, _ = feats.shape
+        nb, blk = anchors.shape[1], cfg.block_size
+        ctx = self.hidden_norm(self.fc(feats))
+        ctx_pos = torch.arange(s, device=feats.device).expand(b, s)
+        ccos, csin = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta)
+        pos = anchors.unsqueeze(-1) + torch.arange(blk, device=feats.device)  # [b, nb, B]
+        anchor_tok = tokens.gather(1, anchors)  # [b, nb]
+        emb_anchor = F.embedding(anchor_tok, embed).float()  # [b, nb, H]
+        x = self.mask_embedding.view(1, 1, 1, -1).expand(b, nb, blk, -1)
+        x = torch.cat((emb_anchor.unsqueeze(2), x[:, :, 1:]), dim=2).reshape(b, nb * blk, -1)
+        pos = pos.reshape(b, nb * blk)
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        # visibility: context j < anchor of the row's block; block keys of the same block
+        a_rows = anchors.repeat_interleave(blk, dim=1)  # [b, R]
+        ctx_vis = torch.arange(s, device=feats.device).view(1, 1, s) < a_rows.unsqueeze(-1)
+        bid = torch.arange(nb * blk, device=feats.device) // blk
+        blk_vis = (bid.view(-1, 1) == bid.view(1, -1)).expand(b, -1, -1)
+        mask = torch.cat((ctx_vis, blk_vis), dim=-1)
+        h, res = x, None
+        for layer in self.layers:
+            ck, cv = layer.self_attn.context_kv(ctx, ccos, csin)
+            h, res = layer(h, res, cos, sin, ck, cv, mask, blk)
+        h = self.norm(h + res)
+        return h.view(b, nb, blk, -1)
+
+    # ---- export ---------------------------------------------------------------------------
+    def export_state(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()
+                if k != "mask_embedding"}
+
+    def save_native(self, out_dir: str | Path, dtype=torch.bfloat16, extra: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.export_state(dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+        torch.save(
+            {"embedding": self.mask_embedding.detach().to(dtype).clone(),
+             "mask_token_id": self.cfg.mask_token_id},
+            out / MASK_EMBEDDING_FILENAME,
+        )
+        conf = self.cfg.hf_config()
+        if extra:
+            conf.update(extra)
+        (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        return out
+
+
+def load_native(path: str | Path, dtype=torch.float32) -> DraftModel:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    conf = json.loads((path / "config.json").read_text())
+    cfg = DraftConfig(**conf["vllm_dflash2_train_config"])
+    model = DraftModel(cfg)
+    state = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
+    me = torch.load(path / MASK_EMBEDDING_FILENAME, map_location="cpu")
+    state["mask_embedding"] = (me["embedding"] if isinstance(me, dict) else me).to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype)
+
+
+def block_loss(model: DraftModel, hidden, tokens, anchors, embed, gamma: float = 4.0):
+    """Training loss of a batch of blocks; returns (loss, metrics dict).
+
+    hidden = model(...) [b, nb, B, H]. Labels: MASK row k predicts tokens[anchor + k].
+    Loss = position-weighted CE over the vocab (+ for DFlash2 the K-way selector CE over
+    the unary top-k, teacher-forced on the true predecessor; positions whose true token
+    or true predecessor is outside the top-k are skipped).
+    """
+    cfg = model.cfg
+    b, nb, blk, hsz = hidden.shape
+    k_pos = blk - 1
+    idx = anchors.unsqueeze(-1) + torch.arange(1, blk, device=tokens.device)
+    labels = tokens.gather(1, idx.view(b, -1)).view(b, nb, k_pos)
+    h = hidden[:, :, 1:]
+    logits = h @ embed.t().float()  # [b, nb, K, V]
+    w = torch.exp(-torch.arange(k_pos, dtype=torch.float32, device=h.device) / gamma)
+    w = (w / w.sum()).view(1, 1, -1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    ce = ce.view(b, nb, k_pos)
+    loss_ce = (ce * w).sum(-1).mean()
+    metrics = {"ce": float(loss_ce.detach())}
+    with torch.no_grad():
+        metrics["top1"] = float((logits.argmax(-1) == labels).float().mean())
+    if not cfg.dflash2:
+        return loss_ce, metrics
+    topk = cfg.selector_top_k
+    unary, cand = logits.topk(topk, dim=-1)  # [b, nb, K, k]
+    n = b * nb
+    cand, unary, labels_f = cand.view(n, k_pos, topk), unary.view(n, k_pos, topk), labels.view(n, k_pos)
+    anchor_tok = tokens.gather(1, anchors).view(n)
+    scores = model.candidate_selector(cand, unary, h.reshape(n, k_pos, hsz), anchor_tok)  # [n,K,k,k]
+    hit = cand == labels_f.unsqueeze(-1)
+    present = hit.any(-1)
+    tgt = hit.float().argmax(-1)
+    prev = torch.cat((torch.zeros(n, 1, dtype=torch.long, device=h.device), tgt[:, :-1]), dim=1)
+    prev_ok = torch.cat((torch.ones(n, 1, dtype=torch.bool, device=h.device), present[:, :-1]), dim=1)
+    valid = present & prev_ok
+    rows = scores.gather(2, prev.view(n, k_pos, 1, 1).expand(-1, -1, 1, topk)).squeeze(2)  # [n,K,k]
+    sel_ce = F.cross_entropy(rows.reshape(-1, topk), tgt.reshape(-1), reduction="none").view(n, k_pos)
+    wf = w.view(1, -1).expand(n, -1) * valid
+    loss_sel = (sel_ce * wf).sum() / wf.sum().clamp_min(1e-6) if bool(valid.any()) else sel_ce.sum() * 0
+    with torch.no_grad():
+        metrics["recall"] = float(present.float().mean())
+        acc = (rows.argmax(-1) == tgt) & valid
+        metrics["sel_acc"] = float(acc.sum() / valid.sum().clamp_min(1))
+        metrics["sel"] = float(loss_sel)
+    return loss_ce + loss_sel, metrics
+
+
+@torch.no_grad()
+def propose(model: DraftModel, feats, tokens, anchor_index: int, embed) -> torch.Tensor:
+    """K greedy draft tokens for one sequence (DFlash2: selector walk; DFlash: argmax)."""
+    from ..ops.reference import walk_ref
+
+    cfg = model.cfg
+    anchors = torch.tensor([[anchor_index]], dtype=torch.long)
+    hidden = model(feats, tokens, anchors, embed)[:, :, 1:].reshape(1, cfg.block_size - 1, -1)
+    logits = hidden @ embed.t().float()
+    if not cfg.dflash2:
+        return logits.argmax(-1).view(-1)
+    unary, cand = logits.topk(cfg.selector_top_k, dim=-1)
+    scores = model.candidate_selector(cand, unary, hidden, tokens[:, anchor_index])
+    toks, _, _ = walk_ref(cand, scores, torch.zeros(1), torch.zeros(1, dtype=torch.long))
+    return toks.view(-1)
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["DraftConfig", "DraftModel", "block_loss", "propose", "load_native", "param_count", "math"]
