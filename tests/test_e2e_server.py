@@ -30,7 +30,7 @@ def server(tiny_target, tiny_drafter, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     spec = json.dumps({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": 7})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_target),
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(tiny_target),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
            "--served-model-name", "tiny", "--speculative-config", spec]
