@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks-per-seq", type=int, default=24)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=4.0)
+    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                   help="after a 20-step warmup (the shipped drafter used constant)")
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--time-budget-min", type=float, default=30.0, help="wall clock for the training loop")
     p.add_argument("--ckpt-every", type=int, default=50)
@@ -175,9 +177,12 @@ def train(args) -> dict:
             break
         feats, tokens, anchors = sample_batch(data, rng, args.batch_seqs, args.blocks_per_seq, args.block_size)
         warm = 20
-        total = max(args.max_steps if args.max_steps < 100000 else 1000, warm + 1)
-        frac = min(elapsed / budget, step / total if args.max_steps < 100000 else 0.0)
-        lr = args.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        frac = elapsed / budget
+        if args.max_steps < 100000:
+            frac = max(frac, step / args.max_steps)
+        decay = 1.0 if args.lr_schedule == "constant" else \
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        lr = args.lr * min(1.0, (step + 1) / warm) * decay
         post = {}
         for v in variants:
             for g in opts[v].param_groups:
