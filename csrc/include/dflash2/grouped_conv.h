@@ -1,0 +1,82 @@
+// Grouped dynamic convolution inside blocks (ops/reference.py::grouped_conv_ref):
+//   out[r, c] = sum_{t < T} 1[r % B >= t] * (base[t, c] + delta[r, t, c / gs]) * x[r - t, c]
+// float32 accumulation; element types are converted with static_cast<float>.
+// Strides are in elements; the channel (last) dim of every tensor is contiguous.
+#pragma once
+
+#include "common.h"
+
+namespace dflash2 {
+
+struct ConvShape {
+  int64_t rows;        // N
+  int64_t hidden;      // H
+  int taps;            // T
+  int64_t groups;      // G = H / group_size
+  int64_t group_size;  // gs
+  int64_t block_size;  // B
+};
+
+struct ConvStrides {
+  int64_t x_row;      // x / z
+  int64_t delta_row;  // projection (prepare) or coef1 (finish)
+  int64_t delta_tap;  // distance between taps t and t+1 of one row
+  int64_t base_tap;   // base0 / base1
+  int64_t out_row;
+};
+
+// One output element; used by the CUDA kernel (and handy for tests of the math).
+template <typename T, typename D, typename W>
+DFLASH2_HD float conv_element(const T* x, const D* delta, const W* base, const ConvShape& s,
+                              const ConvStrides& st, int64_t r, int64_t c) {
+  const int64_t pos = r % s.block_size;
+  const int64_t g = c / s.group_size;
+  float acc = 0.0f;
+  for (int t = 0; t < s.taps && t <= pos; ++t) {
+    const float coef = static_cast<float>(base[t * st.base_tap + c]) +
+                       static_cast<float>(delta[r * st.delta_row + t * st.delta_tap + g]);
+    const float term = coef * static_cast<float>(x[(r - t) * st.x_row + c]);
+    acc = t == 0 ? term : acc + term;
+  }
+  return acc;
+}
+
+// Rows [r0, r1) on the CPU. `acc` is caller scratch of H floats. The inner
+// loop runs over one channel group with a constant coefficient offset so the
+// compiler vectorizes it.
+template <typename T, typename D, typename W>
+inline void conv_rows_cpu(const T* x, const D* delta, const W* base, T* out, const ConvShape& s,
+                          const ConvStrides& st, int64_t r0, int64_t r1, float* acc) {
+  const int64_t gs = s.group_size;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t pos = r % s.block_size;
+    const int taps = pos + 1 < s.taps ? static_cast<int>(pos + 1) : s.taps;
+    for (int t = 0; t < taps; ++t) {
+      const T* xr = x + (r - t) * st.x_row;
+      const D* dr = delta + r * st.delta_row + t * st.delta_tap;
+      const W* br = base + t * st.base_tap;
+      for (int64_t g = 0; g < s.groups; ++g) {
+        const float d = static_cast<float>(dr[g]);
+        const int64_t c0 = g * gs;
+        if (t == 0) {
+          for (int64_t j = 0; j < gs; ++j)
+            acc[c0 + j] = (static_cast<float>(br[c0 + j]) + d) * static_cast<float>(xr[c0 + j]);
+        } else {
+          for (int64_t j = 0; j < gs; ++j)
+            acc[c0 + j] += (static_cast<float>(br[c0 + j]) + d) * static_cast<float>(xr[c0 + j]);
+        }
+      }
+    }
+    T* o = out + r * st.out_row;
+    for (int64_t c = 0; c < s.hidden; ++c) o[c] = static_cast<T>(acc[c]);
+  }
+}
+
+// Copies the second-side coefficients projection[r, 1, :, :] -> coef1[r] (float32).
+template <typename D>
+DFLASH2_HD void copy_coef1_row(const D* projection_row, int64_t taps_x_groups, float* coef1_row) {
+  for (int64_t i = 0; i < taps_x_groups; ++i)
+    coef1_row[i] = static_cast<float>(projection_row[taps_x_groups + i]);
+}
+
+}  // namespace dflash2
