@@ -35,14 +35,15 @@ def _extensions():
     # Relative paths: setuptools rejects absolute source paths in editable builds.
     sources = sorted(glob.glob("csrc/*.cpp", root_dir=ROOT) + glob.glob("csrc/cpu/*.cpp", root_dir=ROOT))
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx = opt + ["-std=c++17", "-fopenmp", "-DVLLM_DFLASH2_CPU"]
+    # No -std flag: torch picks the standard its headers need (C++20 for 2.13).
+    cxx = opt + ["-fopenmp"]
     args = {"cxx": cxx}
     ext_cls = CppExtension
     if use_cuda:
         ext_cls = CUDAExtension
         sources += sorted(glob.glob("csrc/cuda/*.cu", root_dir=ROOT))
         args["cxx"] = cxx + ["-DVLLM_DFLASH2_CUDA"]
-        args["nvcc"] = opt + ["-std=c++17", "--use_fast_math", "-DVLLM_DFLASH2_CUDA"]
+        args["nvcc"] = opt + ["-DVLLM_DFLASH2_CUDA"]
     ext = ext_cls(
         "vllm_dflash2._C",
         sources,

@@ -1,10 +1,11 @@
 // Grouped dynamic convolution inside blocks (ops/reference.py::grouped_conv_ref):
 //   out[r, c] = sum_{t < T} 1[r % B >= t] * (base[t, c] + delta[r, t, c / gs]) * x[r - t, c]
-// float32 accumulation; element types are converted with static_cast<float>.
+// float32 accumulation; elements are converted with convert.h (to_float / from_float).
 // Strides are in elements; the channel (last) dim of every tensor is contiguous.
 #pragma once
 
 #include "common.h"
+#include "convert.h"
 
 namespace dflash2 {
 
@@ -33,9 +34,9 @@ DFLASH2_HD float conv_element(const T* x, const D* delta, const W* base, const C
   const int64_t g = c / s.group_size;
   float acc = 0.0f;
   for (int t = 0; t < s.taps && t <= pos; ++t) {
-    const float coef = static_cast<float>(base[t * st.base_tap + c]) +
-                       static_cast<float>(delta[r * st.delta_row + t * st.delta_tap + g]);
-    const float term = coef * static_cast<float>(x[(r - t) * st.x_row + c]);
+    const float coef = to_float(base[t * st.base_tap + c]) +
+                       to_float(delta[r * st.delta_row + t * st.delta_tap + g]);
+    const float term = coef * to_float(x[(r - t) * st.x_row + c]);
     acc = t == 0 ? term : acc + term;
   }
   return acc;
@@ -56,19 +57,19 @@ inline void conv_rows_cpu(const T* x, const D* delta, const W* base, T* out, con
       const D* dr = delta + r * st.delta_row + t * st.delta_tap;
       const W* br = base + t * st.base_tap;
       for (int64_t g = 0; g < s.groups; ++g) {
-        const float d = static_cast<float>(dr[g]);
+        const float d = to_float(dr[g]);
         const int64_t c0 = g * gs;
         if (t == 0) {
           for (int64_t j = 0; j < gs; ++j)
-            acc[c0 + j] = (static_cast<float>(br[c0 + j]) + d) * static_cast<float>(xr[c0 + j]);
+            acc[c0 + j] = (to_float(br[c0 + j]) + d) * to_float(xr[c0 + j]);
         } else {
           for (int64_t j = 0; j < gs; ++j)
-            acc[c0 + j] += (static_cast<float>(br[c0 + j]) + d) * static_cast<float>(xr[c0 + j]);
+            acc[c0 + j] += (to_float(br[c0 + j]) + d) * to_float(xr[c0 + j]);
         }
       }
     }
     T* o = out + r * st.out_row;
-    for (int64_t c = 0; c < s.hidden; ++c) o[c] = static_cast<T>(acc[c]);
+    for (int64_t c = 0; c < s.hidden; ++c) o[c] = from_float<T>(acc[c]);
   }
 }
 
@@ -76,7 +77,7 @@ inline void conv_rows_cpu(const T* x, const D* delta, const W* base, T* out, con
 template <typename D>
 DFLASH2_HD void copy_coef1_row(const D* projection_row, int64_t taps_x_groups, float* coef1_row) {
   for (int64_t i = 0; i < taps_x_groups; ++i)
-    coef1_row[i] = static_cast<float>(projection_row[taps_x_groups + i]);
+    coef1_row[i] = to_float(projection_row[taps_x_groups + i]);
 }
 
 }  // namespace dflash2

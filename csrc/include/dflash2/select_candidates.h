@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.h"
+#include "convert.h"
 #include "counter_rng.h"
 #include "walk_step.h"
 
@@ -37,11 +38,11 @@ inline void score_row_cpu(const int64_t* cand, const A* unary, const float* w, c
     float lane[kLanes] = {};
     int i = 0;
     for (; i + kLanes <= rank; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) lane[j] += w[i + j] * static_cast<float>(row[i + j]);
-    for (int j = 0; i + j < rank; ++j) lane[j] += w[i + j] * static_cast<float>(row[i + j]);
+      for (int j = 0; j < kLanes; ++j) lane[j] += w[i + j] * to_float(row[i + j]);
+    for (int j = 0; i + j < rank; ++j) lane[j] += w[i + j] * to_float(row[i + j]);
     float dot = 0.0f;
     for (int j = 0; j < kLanes; ++j) dot += lane[j];
-    s[c] = static_cast<float>(unary[c]) + dot;
+    s[c] = to_float(unary[c]) + dot;
   }
 }
 
@@ -56,7 +57,7 @@ inline void select_request_cpu(const int64_t* cand, const A* unary, const A* hid
   for (int64_t l = 0; l < sh.length; ++l) {
     const CB* p = pred + prev_token * st.pred_row;
     const A* h = hidden + l * st.hidden_step;
-    for (int i = 0; i < sh.rank; ++i) w[i] = static_cast<float>(p[i]) * static_cast<float>(h[i]);
+    for (int i = 0; i < sh.rank; ++i) w[i] = to_float(p[i]) * to_float(h[i]);
     const int64_t* cl = cand + l * st.cand_step;
     score_row_cpu(cl, unary + l * st.unary_step, w, succ, st.succ_row, sh.k, sh.rank, s);
     const float u = temperature > 0.0f ? counter_uniform(seed, l) : 0.0f;
