@@ -28,8 +28,8 @@ void conv_cpu(const ConvArgs& a, at::Tensor& out, float* coef1) {
       T* o = out.data_ptr<T>();
       const int64_t tg = static_cast<int64_t>(a.shape.taps) * a.shape.groups;
       at::parallel_for(0, a.shape.rows, conv_grain(a.shape), [&](int64_t r0, int64_t r1) {
-        std::vector<float> acc(a.shape.hidden);
-        conv_rows_cpu(x, delta, base, o, a.shape, a.strides, r0, r1, acc.data());
+        std::vector<float> scratch(static_cast<size_t>(a.shape.taps) * a.shape.hidden);
+        conv_rows_cpu(x, delta, base, o, a.shape, a.strides, r0, r1, scratch.data());
         if (coef1 != nullptr) {
           for (int64_t r = r0; r < r1; ++r)
             copy_coef1_row(delta + r * a.strides.delta_row, tg, coef1 + r * tg);

@@ -42,34 +42,52 @@ DFLASH2_HD float conv_element(const T* x, const D* delta, const W* base, const C
   return acc;
 }
 
-// Rows [r0, r1) on the CPU. `acc` is caller scratch of H floats. The inner
-// loop runs over one channel group with a constant coefficient offset so the
-// compiler vectorizes it.
+// Rows [r0, r1) on the CPU. `scratch` is caller memory of taps * H floats.
+// Each row first broadcasts its per-group deltas to per-channel floats, so
+// the main loop runs over all H channels with no division and no short inner
+// trip counts, and the compiler vectorizes it (one alias check per row).
 template <typename T, typename D, typename W>
 inline void conv_rows_cpu(const T* x, const D* delta, const W* base, T* out, const ConvShape& s,
-                          const ConvStrides& st, int64_t r0, int64_t r1, float* acc) {
-  const int64_t gs = s.group_size;
+                          const ConvStrides& st, int64_t r0, int64_t r1, float* scratch) {
+  const int64_t gs = s.group_size, h = s.hidden;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t pos = r % s.block_size;
     const int taps = pos + 1 < s.taps ? static_cast<int>(pos + 1) : s.taps;
     for (int t = 0; t < taps; ++t) {
-      const T* xr = x + (r - t) * st.x_row;
       const D* dr = delta + r * st.delta_row + t * st.delta_tap;
-      const W* br = base + t * st.base_tap;
+      float* de = scratch + t * h;
       for (int64_t g = 0; g < s.groups; ++g) {
         const float d = to_float(dr[g]);
-        const int64_t c0 = g * gs;
-        if (t == 0) {
-          for (int64_t j = 0; j < gs; ++j)
-            acc[c0 + j] = (to_float(br[c0 + j]) + d) * to_float(xr[c0 + j]);
-        } else {
-          for (int64_t j = 0; j < gs; ++j)
-            acc[c0 + j] += (to_float(br[c0 + j]) + d) * to_float(xr[c0 + j]);
-        }
+        for (int64_t j = 0; j < gs; ++j) de[g * gs + j] = d;
       }
     }
-    T* o = out + r * st.out_row;
-    for (int64_t c = 0; c < s.hidden; ++c) o[c] = from_float<T>(acc[c]);
+    const T* __restrict__ x0 = x + r * st.x_row;
+    const W* __restrict__ b0 = base;
+    const float* __restrict__ d0 = scratch;
+    T* __restrict__ o = out + r * st.out_row;
+    if (taps == 1) {
+      for (int64_t c = 0; c < h; ++c)
+        o[c] = from_float<T>((to_float(b0[c]) + d0[c]) * to_float(x0[c]));
+    } else if (taps == 2) {
+      const T* __restrict__ x1 = x0 - st.x_row;
+      const W* __restrict__ b1 = base + st.base_tap;
+      const float* __restrict__ d1 = scratch + h;
+      for (int64_t c = 0; c < h; ++c) {
+        const float a = (to_float(b0[c]) + d0[c]) * to_float(x0[c]);
+        o[c] = from_float<T>(a + (to_float(b1[c]) + d1[c]) * to_float(x1[c]));
+      }
+    } else {
+      // Rare (T > 2): accumulate in place of the first tap's deltas.
+      float* __restrict__ acc = scratch;
+      for (int64_t c = 0; c < h; ++c) acc[c] = (to_float(b0[c]) + acc[c]) * to_float(x0[c]);
+      for (int t = 1; t < taps; ++t) {
+        const T* __restrict__ xt = x0 - t * st.x_row;
+        const W* __restrict__ bt = base + t * st.base_tap;
+        const float* __restrict__ dt = scratch + t * h;
+        for (int64_t c = 0; c < h; ++c) acc[c] += (to_float(bt[c]) + dt[c]) * to_float(xt[c]);
+      }
+      for (int64_t c = 0; c < h; ++c) o[c] = from_float<T>(acc[c]);
+    }
   }
 }
 

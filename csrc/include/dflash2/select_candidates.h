@@ -28,6 +28,14 @@ struct SelectStrides {
 
 // Score row of one step: s[c] = unary[c] + sum_r w[r] * succ[cand[c], r],
 // where w = pred[prev] * hidden (already formed by the caller).
+inline void prefetch_read(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
 template <typename CB, typename A>
 inline void score_row_cpu(const int64_t* cand, const A* unary, const float* w, const CB* succ,
                           int64_t succ_row, int k, int rank, float* s) {
@@ -59,6 +67,13 @@ inline void select_request_cpu(const int64_t* cand, const A* unary, const A* hid
     const A* h = hidden + l * st.hidden_step;
     for (int i = 0; i < sh.rank; ++i) w[i] = to_float(p[i]) * to_float(h[i]);
     const int64_t* cl = cand + l * st.cand_step;
+    // Successor rows are random codebook rows (cache misses): request all of
+    // this step's lines up front so the misses overlap.
+    for (int c = 0; c < sh.k; ++c) {
+      const char* row = reinterpret_cast<const char*>(succ + cl[c] * st.succ_row);
+      for (int64_t off = 0; off < static_cast<int64_t>(sh.rank * sizeof(CB)); off += 64)
+        prefetch_read(row + off);
+    }
     score_row_cpu(cl, unary + l * st.unary_step, w, succ, st.succ_row, sh.k, sh.rank, s);
     const float u = temperature > 0.0f ? counter_uniform(seed, l) : 0.0f;
     const int c = walk_step(s, sh.k, temperature, u, filter, q + l * sh.k);
