@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=float, default=4.0)
     p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                    help="after a 20-step warmup (the shipped drafter used constant)")
+    p.add_argument("--init", choices=("target", "random"), default="target",
+                   help="target: copy the target's last layers, final norm and deepest feature")
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--time-budget-min", type=float, default=30.0, help="wall clock for the training loop")
     p.add_argument("--ckpt-every", type=int, default=50)
@@ -141,10 +143,13 @@ def train(args) -> dict:
     for v in variants:
         m = DraftModel(cfgs[v])
         m.init_mask_embedding(embed)
-        tnorm = getattr(getattr(target, "model", None), "norm", None)
-        if tnorm is not None and tnorm.weight.shape == m.norm.weight.shape:
-            with torch.no_grad():  # the shared lm_head expects the target's final-norm scale
-                m.norm.weight.copy_(tnorm.weight.float())
+        if args.init == "target":
+            m.init_from_target(target)
+        else:
+            tnorm = getattr(getattr(target, "model", None), "norm", None)
+            if tnorm is not None and tnorm.weight.shape == m.norm.weight.shape:
+                with torch.no_grad():  # the shared lm_head expects the target's final-norm scale
+                    m.norm.weight.copy_(tnorm.weight.float())
         opt = torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
         st = {"step": 0, "elapsed": 0.0, "history": []}
         ck = out / f"ckpt_{v}.pt"

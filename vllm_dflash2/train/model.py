@@ -259,6 +259,39 @@ class DraftModel(nn.Module):
                     and "hidden_projection" not in name:
                 nn.init.normal_(p, std=0.02)
 
+    @torch.no_grad()
+    def init_from_target(self, target) -> list[str]:
+        """Warm start from the target: its last decoder layers, final norm, deepest feature.
+
+        The drafter predicts what the target's top layers would, from the target's own
+        features, so copying those layers (and reading the deepest tapped feature through
+        ``fc``) starts far closer than random weights. Returns the copied tensor names.
+        """
+        cfg = self.cfg
+        copied = []
+        tnorm = getattr(getattr(target, "model", None), "norm", None)
+        if tnorm is not None and tnorm.weight.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(tnorm.weight.float())  # the shared lm_head expects this scale
+            copied.append("norm.weight")
+        layers = getattr(getattr(target, "model", None), "layers", None)
+        if layers is None or cfg.target_hidden_size != cfg.hidden_size:
+            return copied
+        src_state = {}
+        for i, layer in enumerate(self.layers):
+            src = layers[len(layers) - len(self.layers) + i]
+            src_state = dict(src.named_parameters())
+            for name, p in layer.named_parameters():
+                q = src_state.get(name)
+                if q is not None and q.shape == p.shape:
+                    p.copy_(q.float())
+                    copied.append(f"layers.{i}.{name}")
+        # ctx = the deepest tapped feature (the fc block of the last target_layer_id).
+        h = cfg.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, -h:] = torch.eye(h)
+        copied.append("fc.weight")
+        return copied
+
     def init_mask_embedding(self, embed: torch.Tensor) -> None:
         with torch.no_grad():
             self.mask_embedding.copy_(embed[self.cfg.mask_token_id].float())
