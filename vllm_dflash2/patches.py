@@ -34,23 +34,30 @@ class Patch:
 # The patches
 
 
-def _allow_dflash2_on_v1(mod: ModuleType) -> None:
-    cls = mod.VllmConfig
-    original = cls._get_v1_model_runner_unsupported_features
+def _replace_once(owner, attr: str, make: Callable[[Callable], Callable]) -> None:
+    """``owner.attr = make(original)``, marked so that applying a patch twice is a no-op."""
+    original = getattr(owner, attr)
     if getattr(original, "_dflash2", False):
         return
+    replacement = make(original)
+    replacement._dflash2 = True
+    setattr(owner, attr, replacement)
 
-    def _get_v1_model_runner_unsupported_features(self) -> list[str]:
-        unsupported = original(self)
-        spec = self.speculative_config
-        archs = getattr(getattr(spec, "draft_model_config", None), "architectures", None) or []
-        # Our V1 proposer implements the DFlash2 candidate head; LiLiCorr stays refused.
-        if DFLASH2_ARCH in archs and "LiLiCorrDraftModel" not in archs:
-            unsupported = [u for u in unsupported if u != _V1_REFUSAL]
-        return unsupported
 
-    _get_v1_model_runner_unsupported_features._dflash2 = True
-    cls._get_v1_model_runner_unsupported_features = _get_v1_model_runner_unsupported_features
+def _allow_dflash2_on_v1(mod: ModuleType) -> None:
+    def make(original):
+        def _get_v1_model_runner_unsupported_features(self) -> list[str]:
+            unsupported = original(self)
+            spec = self.speculative_config
+            archs = getattr(getattr(spec, "draft_model_config", None), "architectures", None) or []
+            # Our V1 proposer implements the DFlash2 candidate head; LiLiCorr stays refused.
+            if DFLASH2_ARCH in archs and "LiLiCorrDraftModel" not in archs:
+                unsupported = [u for u in unsupported if u != _V1_REFUSAL]
+            return unsupported
+
+        return _get_v1_model_runner_unsupported_features
+
+    _replace_once(mod.VllmConfig, "_get_v1_model_runner_unsupported_features", make)
 
 
 def _use_dflash2_proposer(mod: ModuleType) -> None:
@@ -61,60 +68,53 @@ def _use_dflash2_proposer(mod: ModuleType) -> None:
 
 
 def _validate_before_start(mod: ModuleType) -> None:
-    cls = mod.EngineArgs
-    original = cls.create_engine_config
-    if getattr(original, "_dflash2", False):
-        return
+    def make(original):
+        def create_engine_config(self, *args, **kwargs):
+            from .validation import validate_engine_args, validate_engine_config
 
-    def create_engine_config(self, *args, **kwargs):
-        from .validation import validate_engine_args, validate_engine_config
+            validate_engine_args(self)  # local folders: before vLLM touches the drafter
+            config = original(self, *args, **kwargs)
+            validate_engine_config(config)  # every other target, once vLLM resolved it
+            return config
 
-        validate_engine_args(self)  # local folders: before vLLM touches the drafter
-        config = original(self, *args, **kwargs)
-        validate_engine_config(config)  # every other target, once vLLM resolved it
-        return config
+        return create_engine_config
 
-    create_engine_config._dflash2 = True
-    cls.create_engine_config = create_engine_config
+    _replace_once(mod.EngineArgs, "create_engine_config", make)
+
+
+def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
+                        MAX_NUM_TOKENS=None):
+    # Semantics of vllm.v1.sample.rejection_sampler.expand_kernel: request i's value
+    # (replace_from -> replace_to) fills output[cu[i-1]:cu[i]], in output's dtype.
+    import torch
+
+    cu = cu_num_tokens.to(device=output.device, dtype=torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = input_val.to(output.dtype)
+    vals = torch.where(input_val == replace_from, torch.full_like(vals, replace_to), vals)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n].copy_(torch.repeat_interleave(vals, counts, output_size=n))
 
 
 def _fix_cpu_expand_kernel(mod: ModuleType) -> None:
-    original = mod._expand_kernel_impl
-    if getattr(original, "_dflash2", False):
-        return
-    import torch
-
-    def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
-                            MAX_NUM_TOKENS=None):
-        # Semantics of vllm.v1.sample.rejection_sampler.expand_kernel: request i's value
-        # (replace_from -> replace_to) fills output[cu[i-1]:cu[i]], in output's dtype.
-        cu = cu_num_tokens.to(device=output.device, dtype=torch.int64)
-        counts = torch.diff(cu, prepend=cu.new_zeros(1))
-        vals = input_val.to(output.dtype)
-        vals = torch.where(input_val == replace_from, torch.full_like(vals, replace_to), vals)
-        n = int(cu[-1]) if cu.numel() else 0
-        output[:n].copy_(torch.repeat_interleave(vals, counts, output_size=n))
-
-    _expand_kernel_impl._dflash2 = True
-    mod._expand_kernel_impl = _expand_kernel_impl
+    # A full replacement: the original's result is what is broken.
+    _replace_once(mod, "_expand_kernel_impl", lambda _original: _expand_kernel_impl)
 
 
 def _vllm_cpu_version_fallback(mod: ModuleType) -> None:
-    original = mod.version
-    if getattr(original, "_dflash2", False):
-        return
+    def make(original):
+        def version(distribution_name: str) -> str:
+            try:
+                return original(distribution_name)
+            except mod.PackageNotFoundError:
+                if distribution_name.strip().lower() != "vllm":
+                    raise
+                # Same answer vllm.platforms.vllm_version_matches_substr derives.
+                return original("vllm-cpu") + "+cpu"
 
-    def version(distribution_name: str) -> str:
-        try:
-            return original(distribution_name)
-        except mod.PackageNotFoundError:
-            if distribution_name.strip().lower() != "vllm":
-                raise
-            # Same answer vllm.platforms.vllm_version_matches_substr derives.
-            return original("vllm-cpu") + "+cpu"
+        return version
 
-    version._dflash2 = True
-    mod.version = version
+    _replace_once(mod, "version", make)
 
 
 LEDGER: tuple[Patch, ...] = (
