@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from vllm import _custom_ops as vllm_ops
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.qwen3_dflash2 import (
     DFlash2Qwen3DecoderLayer,
     DFlash2Qwen3ForCausalLM,
@@ -50,8 +51,8 @@ class DFlash2DecoderLayer(DFlash2Qwen3DecoderLayer):
         self.mlp_conv.__class__ = GroupedConv
 
 
-class DFlash2Model(DFlash2Qwen3Model):
-    decoder_layer_cls = DFlash2DecoderLayer
+class PerLayerContextKNorm:
+    """Context K-norm with each layer's own weight off CUDA (see module docstring)."""
 
     def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
         if all_k.is_cuda:
@@ -60,6 +61,21 @@ class DFlash2Model(DFlash2Qwen3Model):
         for layer in range(all_k.shape[0]):
             vllm_ops.rms_norm(out[layer], all_k[layer], self._k_norm_weights[layer], self._rms_norm_eps)
         return out
+
+
+class DFlash2Model(PerLayerContextKNorm, DFlash2Qwen3Model):
+    decoder_layer_cls = DFlash2DecoderLayer
+
+
+class DFlashModel(PerLayerContextKNorm, DFlashQwen3Model):
+    pass
+
+
+class DFlashForCausalLM(DFlashQwen3ForCausalLM):
+    """Plain DFlash (v1) drafts: upstream's model with the CPU context K-norm fix, so a
+    DFlash-vs-DFlash2 comparison on CPU is not skewed by that vLLM bug."""
+
+    model_cls = DFlashModel
 
 
 class DFlash2ForCausalLM(DFlash2Qwen3ForCausalLM):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 DFLASH2_ARCH = "DFlash2DraftModel"
+DFLASH_ARCH = "DFlashDraftModel"
 _V1_REFUSAL = "DFlash candidate-head drafts"
 
 
@@ -237,10 +238,12 @@ def on_import(module: str, callback: Callable[[ModuleType], None]) -> None:
 
 
 def register_model(registry: ModuleType) -> None:
-    """Serve DFlash2DraftModel checkpoints with our model class (V1 and V2)."""
+    """Serve DFlash2DraftModel checkpoints with our model class (V1 and V2), and plain
+    DFlashDraftModel ones with upstream's class plus the CPU context K-norm fix."""
     # Take the registry from its own module: `from vllm import ModelRegistry` fails
     # while vllm.model_executor.models is still initializing (CLI import order).
     registry.ModelRegistry.register_model(DFLASH2_ARCH, "vllm_dflash2.model:DFlash2ForCausalLM")
+    registry.ModelRegistry.register_model(DFLASH_ARCH, "vllm_dflash2.model:DFlashForCausalLM")
 
 
 def apply_cli() -> None:

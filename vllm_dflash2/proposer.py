@@ -12,9 +12,12 @@ context K/V, attention metadata, KV cache) is upstream's.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from . import adaptive
 from .patches import DFLASH2_ARCH
 
 _SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
@@ -29,6 +32,75 @@ class DFlash2Proposer(DFlashProposer):
         # Sparse q is only meaningful to the standard (probabilistic) rejection rule.
         self.pass_draft_probs = self.speculative_config.rejection_sample_method == "standard"
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
+        # Adaptive speculation (see adaptive.py): state of the step now being verified.
+        self.adaptive = (
+            adaptive.AdaptiveSpeculation(self.num_speculative_tokens)
+            if adaptive.enabled_from_env() else None
+        )
+        self._k_prev = 0
+        self._t_prev: float | None = None
+        self._verified: tuple[list[int], torch.Tensor] | None = None
+
+    # -- adaptive speculation ----------------------------------------------------
+    def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
+                              valid_sampled_tokens_count):
+        self._verified = (spec_decode_metadata.num_draft_tokens, valid_sampled_tokens_count)
+        return super().prepare_inputs_padded(
+            common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count
+        )
+
+    def _observe_verified_step(self, now: float, cad) -> None:
+        k_prev, t_prev, verified = self._k_prev, self._t_prev, self._verified
+        self._verified = None
+        if verified is not None and k_prev > 0:
+            num_drafts, valid = verified
+            valid = valid.tolist()
+            accepted = [v - 1 for n, v in zip(num_drafts, valid) if n > 0 and v > 0]
+            self.adaptive.observe_acceptance(k_prev, accepted)
+        # Steps that carried a prefill chunk cost more than a decode step: skip them.
+        if t_prev is not None and cad.max_query_len <= k_prev + 1:
+            self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev)
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, *args, **kwargs):
+        k = num_speculative_tokens
+        if self.adaptive is not None:
+            now = time.perf_counter()
+            self._observe_verified_step(now, common_attn_metadata)
+            k = self.adaptive.choose(common_attn_metadata.batch_size(), num_speculative_tokens)
+            self._k_prev, self._t_prev = k, now
+        if k == 0:
+            return self._store_context_only(
+                target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                common_attn_metadata, kwargs.get("num_rejected_tokens_gpu"),
+            )
+        return super().propose(
+            k, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs,
+        )
+
+    def _store_context_only(self, target_token_ids, target_positions, target_hidden_states,
+                            next_token_ids, cad, num_rejected_tokens_gpu):
+        """Draft nothing this step, but keep the draft KV of the new context tokens.
+
+        Later steps attend to every context token's K/V; skipping it here would
+        lower acceptance once speculation resumes.
+        """
+        self.num_speculative_tokens = 0
+        self._last_draft_probs = None
+        hidden = self.model.combine_hidden_states(target_hidden_states)
+        self.set_inputs_first_pass(
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=hidden,
+            token_indices_to_sample=None, cad=cad, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        n = self._dflash_num_context
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states, self._context_positions_buffer[:n],
+            self._context_slot_mapping_buffer[:n],
+        )
+        return torch.empty((cad.batch_size(), 0), dtype=torch.int64, device=self.device)
 
     def _draft_model(self):
         model = self.model

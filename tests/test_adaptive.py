@@ -1,0 +1,133 @@
+"""Adaptive speculation: the controller's decisions, and a real engine running it."""
+
+import gc
+
+import pytest
+
+from vllm_dflash2.adaptive import ENV, AdaptiveSpeculation, bucket, enabled_from_env
+
+K = 7
+
+
+def _feed(ctl, batch, cost_of_k, accept_prob, steps=200):
+    """Drive the controller like the proposer does: choose, then observe that step."""
+    chosen = []
+    for _ in range(steps):
+        k = ctl.choose(batch, K)
+        chosen.append(k)
+        ctl.observe_step(batch, k, cost_of_k(k))
+        if k:
+            # accepted drafts per request: first i accepted with prob accept_prob**i
+            n_req = 100
+            accepted = []
+            for r in range(n_req):
+                a = 0
+                while a < k and (r * 7919 + a * 104729) % 1000 < 1000 * accept_prob:
+                    a += 1
+                accepted.append(a)
+            ctl.observe_acceptance(k, accepted)
+    return chosen
+
+
+def _mode(xs):
+    tail = xs[len(xs) // 2:]
+    return max(set(tail), key=tail.count)
+
+
+def test_no_acceptance_turns_speculation_off():
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 1, lambda k: 0.07 + 0.01 * k, accept_prob=0.0)
+    assert chosen[:2] == [K, 0]  # a new batch size measures full speculation, then none
+    assert _mode(chosen) == 0
+    assert ctl.expected_tokens(K) == pytest.approx(1.0, abs=0.02)  # prior pseudo-trial left
+
+
+def test_high_acceptance_and_cheap_drafts_use_full_k():
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 1, lambda k: 0.07 + 0.002 * k, accept_prob=0.95)
+    assert _mode(chosen) == K
+
+
+def test_costly_verification_picks_a_short_draft():
+    # Acceptance ~0.6 per position, each extra draft costs 25% of a plain step.
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 1, lambda k: 0.08 * (1 + 0.25 * k), accept_prob=0.6)
+    best = _mode(chosen)
+    assert 0 < best < K
+    rates = {k: ctl.expected_tokens(k) / (0.08 * (1 + 0.25 * k)) for k in range(K + 1)}
+    assert rates[best] >= 0.9 * max(rates.values())
+
+
+def test_batch_sizes_are_decided_separately():
+    ctl = AdaptiveSpeculation(K)
+    _feed(ctl, 1, lambda k: 0.07 + 0.002 * k, accept_prob=0.8)
+    # At batch 8 verification is compute-bound: every draft row costs a plain step.
+    chosen = _feed(ctl, 8, lambda k: 0.2 * (1 + k), accept_prob=0.8)
+    assert bucket(1) != bucket(8)
+    assert _mode(chosen) == 0
+    assert ctl.choose(1, K) > 0
+
+
+def test_idle_gaps_are_not_step_costs():
+    ctl = AdaptiveSpeculation(K)
+    ctl.observe_step(1, 3, 0.1)
+    ctl.observe_step(1, 3, 30.0)  # the engine waited for a request
+    assert ctl.estimated_cost(1, 3) == pytest.approx(0.1)
+
+
+def test_scheduler_limit_is_respected():
+    ctl = AdaptiveSpeculation(K)
+    assert all(ctl.choose(1, 2) <= 2 for _ in range(50))
+    assert ctl.choose(1, 0) == 0
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(ENV, "off")
+    assert enabled_from_env() is False
+    monkeypatch.setenv(ENV, "1")
+    assert enabled_from_env() is True
+    monkeypatch.setenv(ENV, "maybe")
+    with pytest.raises(ValueError, match=f"{ENV}='maybe'.*expected"):
+        enabled_from_env()
+
+
+@pytest.mark.e2e
+def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch):
+    """Variable k per step (including k = 0) inside real vLLM: greedy rows still equal
+    no-speculation output, sampled rows with seeds run, and the controller measured steps."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_dflash2 import profiling
+
+    monkeypatch.setenv(ENV, "1")  # read by the proposer in the worker process
+    g = torch.Generator().manual_seed(1)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
+               for n in (1, 4, 17, 60, 130, 9)]
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i, max_tokens=40,
+                             ignore_eos=True) for i in range(len(prompts))]
+
+    def run(spec):
+        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
+                  gpu_memory_utilization=0.5, seed=0, speculative_config=spec,
+                  disable_log_stats=False)
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        state = llm.collective_rpc(profiling.adaptive_state)[0] if spec else None
+        counters = {m.name: m.value for m in llm.get_metrics()
+                    if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+        del llm
+        gc.collect()
+        return outs, state, counters
+
+    base, _, _ = run(None)
+    spec, state, counters = run({"method": "dflash", "model": str(tiny_drafter),
+                                 "num_speculative_tokens": K})
+    for i in range(0, len(prompts), 2):
+        assert spec[i] == base[i], f"greedy request {i} changed under adaptive speculation"
+    assert all(len(t) == 40 for t in spec)
+    assert state is not None and state["cost_ms"], "controller measured no step"
+    measured_k = {int(k) for costs in state["cost_ms"].values() for k in costs}
+    assert {0, K} <= measured_k, measured_k  # full speculation and plain decoding both ran
+    # A random drafter is never accepted: most steps must have drafted fewer than K.
+    assert counters["vllm:spec_decode_num_draft_tokens"] < K * counters["vllm:spec_decode_num_drafts"]

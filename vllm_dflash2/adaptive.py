@@ -1,0 +1,126 @@
+"""Adaptive speculation: pick how many tokens to draft from measured speed.
+
+A draft+verify step with k drafts costs T(b, k) at batch size b and yields
+E(k) = 1 + sum_{i<=k} P(first i drafts accepted) tokens per request. The
+controller measures both while serving (step wall time between two proposals,
+acceptance from the rejection sampler's counts) and drafts the k that maximizes
+E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at the
+current batch size it is switched off. Every ``explore_every`` steps of a batch
+size it tries a neighbour of its choice so stale estimates get refreshed.
+
+Pure Python on purpose: it runs once per step on the host and is unit-tested
+without an engine. ``DFlash2Proposer`` feeds it (``VLLM_DFLASH2_ADAPTIVE``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+ENV = "VLLM_DFLASH2_ADAPTIVE"
+
+
+def enabled_from_env() -> bool:
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ENV}={value!r}: expected one of 1/0, true/false, on/off")
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ... share estimates (cost grows ~ with log b here)."""
+    return max(0, math.ceil(math.log2(max(1, batch_size))))
+
+
+class AdaptiveSpeculation:
+    def __init__(self, max_k: int, explore_every: int = 16, time_ema: float = 0.2,
+                 accept_decay: float = 0.99, prior_accept: float = 0.7,
+                 idle_factor: float = 4.0):
+        if max_k < 1:
+            raise ValueError(f"max_k={max_k}: expected >= 1")
+        self.max_k = max_k
+        self.explore_every = explore_every
+        self.time_ema = time_ema
+        self.accept_decay = accept_decay
+        self.idle_factor = idle_factor
+        # P(first i drafts accepted), i = 1..max_k, as decayed hit/trial counts (a memory
+        # of ~1/(1-decay) steps) plus one pseudo-trial of an optimistic prior, so that a
+        # position is tried before it is written off and one unlucky step cannot.
+        self.prior = [prior_accept**i for i in range(1, max_k + 1)]
+        self.hits = [0.0] * max_k
+        self.trials = [0.0] * max_k
+        self.cost: dict[int, dict[int, float]] = {}  # bucket -> k -> seconds per step
+        self.steps: dict[int, int] = {}
+
+    @property
+    def accept(self) -> list[float]:
+        out, last = [], 1.0
+        for p, h, n in zip(self.prior, self.hits, self.trials):
+            last = min(last, (h + p) / (n + 1.0))  # cannot grow with position
+            out.append(last)
+        return out
+
+    # -- measurements ------------------------------------------------------------
+    def observe_acceptance(self, k_used: int, accepted: list[int]) -> None:
+        """accepted[r]: drafts of request r accepted in a step that drafted k_used."""
+        if k_used <= 0 or not accepted:
+            return
+        for j in range(min(k_used, self.max_k)):
+            self.hits[j] = self.accept_decay * self.hits[j] + sum(1 for a in accepted if a > j)
+            self.trials[j] = self.accept_decay * self.trials[j] + len(accepted)
+
+    def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
+        costs = self.cost.setdefault(bucket(batch_size), {})
+        old = costs.get(k_used)
+        if old is None:
+            costs[k_used] = seconds
+        elif seconds > self.idle_factor * old:
+            return  # the engine sat idle between two steps: not a step cost
+        else:
+            costs[k_used] = old + self.time_ema * (seconds - old)
+
+    # -- decision ----------------------------------------------------------------
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + sum(self.accept[:k])
+
+    def estimated_cost(self, batch_size: int, k: int) -> float | None:
+        costs = self.cost.get(bucket(batch_size), {})
+        if k in costs:
+            return costs[k]
+        if len(costs) < 2:
+            return None
+        # Least-squares line through the measured (k, cost) points.
+        ks, ts = zip(*sorted(costs.items()))
+        mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
+        var = sum((x - mk) ** 2 for x in ks)
+        slope = sum((x - mk) * (t - mt) for x, t in zip(ks, ts)) / var if var else 0.0
+        return max(1e-9, mt + slope * (k - mk))
+
+    def choose(self, batch_size: int, k_limit: int | None = None) -> int:
+        top = self.max_k if k_limit is None else max(0, min(self.max_k, k_limit))
+        if top == 0:
+            return 0
+        b = bucket(batch_size)
+        costs = self.cost.get(b, {})
+        # A new batch size: measure full speculation, then plain decoding.
+        for k in (top, 0):
+            if k not in costs:
+                return k
+        best = max(range(top + 1), key=lambda k: self._rate(batch_size, k))
+        step = self.steps[b] = self.steps.get(b, 0) + 1
+        if self.explore_every and step % self.explore_every == 0:
+            up = (step // self.explore_every) % 2 == 0
+            neighbour = best + 1 if (up and best < top) or best == 0 else best - 1
+            return neighbour
+        return best
+
+    def _rate(self, batch_size: int, k: int) -> float:
+        cost = self.estimated_cost(batch_size, k)
+        return 0.0 if cost is None else self.expected_tokens(k) / cost
+
+    def snapshot(self) -> dict:
+        return {"accept": list(self.accept),
+                "cost_ms": {b: {k: v * 1e3 for k, v in sorted(c.items())}
+                            for b, c in sorted(self.cost.items())}}

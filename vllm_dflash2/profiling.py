@@ -1,0 +1,90 @@
+"""Where a speculative step spends its time, measured inside a running vLLM worker.
+
+``install`` wraps (on instances only, for the life of that engine) the runner and
+drafter methods that make up one step, with wall-clock timers. It is a measuring
+instrument for ``benchmarks/profile_step.py``, not a behaviour change, and is never
+installed by the plugin itself. On the CPU backend every op is synchronous, so
+wall-clock spans are exact; on CUDA each span synchronizes first.
+
+Call through ``LLM.collective_rpc`` (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``):
+``llm.collective_rpc(install)``, ``reset``, ``read``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+_TIMES: dict[str, float] = defaultdict(float)
+_COUNTS: dict[str, int] = defaultdict(int)
+_INSTALLED_ATTR = "_vllm_dflash2_profiled"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _wrap(obj, attr: str, key: str) -> None:
+    orig = getattr(obj, attr, None)
+    if orig is None or getattr(orig, _INSTALLED_ATTR, False):
+        return
+
+    def timed(*args, **kwargs):
+        _sync()
+        start = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _sync()
+            _TIMES[key] += time.perf_counter() - start
+            _COUNTS[key] += 1
+
+    setattr(timed, _INSTALLED_ATTR, True)
+    setattr(obj, attr, timed)
+
+
+def install(worker) -> list[str]:
+    runner = worker.model_runner
+    _wrap(runner, "execute_model", "step/execute_model")
+    _wrap(runner, "sample_tokens", "step/sample_tokens")
+    _wrap(runner, "_model_forward", "target/forward")
+    _wrap(runner.model, "compute_logits", "target/logits")
+    _wrap(runner, "_sample", "sample/sample_or_reject")
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:
+        _wrap(runner, "propose_draft_token_ids", "draft/total")
+        _wrap(drafter, "set_inputs_first_pass", "draft/input_prep")
+        _wrap(drafter, "build_per_group_and_layer_attn_metadata", "draft/attn_metadata")
+        model = drafter.model
+        _wrap(model, "precompute_and_store_context_kv", "draft/context_kv")
+        _wrap(model, "forward", "draft/forward")
+        _wrap(drafter, "_sample_draft_tokens", "draft/candidates_and_selector")
+        for i, layer in enumerate(getattr(model.model, "layers", [])):
+            for name in ("attention_conv", "mlp_conv"):
+                conv = getattr(layer, name, None)
+                if conv is not None:
+                    _wrap(conv, "prepare", f"draft/layer{i}/conv")
+                    _wrap(conv, "finish", f"draft/layer{i}/conv")
+            if hasattr(layer, "self_attn"):
+                _wrap(layer.self_attn, "forward", f"draft/layer{i}/attention")
+            if hasattr(layer, "mlp"):
+                _wrap(layer.mlp, "forward", f"draft/layer{i}/mlp")
+    return sorted(_COUNTS)
+
+
+def reset(worker) -> None:
+    _TIMES.clear()
+    _COUNTS.clear()
+
+
+def read(worker) -> dict[str, dict[str, float]]:
+    return {k: {"seconds": _TIMES[k], "calls": _COUNTS[k]} for k in sorted(_TIMES)}
+
+
+def adaptive_state(worker) -> dict | None:
+    """The adaptive-speculation controller's estimates (None when it is off)."""
+    controller = getattr(worker.model_runner.drafter, "adaptive", None)
+    return None if controller is None else controller.snapshot()
