@@ -4,6 +4,9 @@ import os
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc probes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Fixed K unless a test turns adaptive speculation on: acceptance counters then mean
+# the same thing in every run (test_adaptive.py covers the adaptive path).
+os.environ.setdefault("VLLM_DFLASH2_ADAPTIVE", "0")
 
 import pytest  # noqa: E402
 
@@ -18,3 +21,29 @@ def tiny_target(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_drafter(tmp_path_factory, tiny_target):
     return build_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_target)
+
+
+@pytest.fixture(scope="session")
+def peaked_models(tmp_path_factory):
+    """A peaked tiny target and a drafter sharing its embedding/lm_head: drafts get accepted."""
+    from vllm_dflash2.testing import build_peaked_drafter
+
+    target = build_tiny_target(tmp_path_factory.mktemp("peaked_target"), peaked=5.0)
+    drafter = build_peaked_drafter(tmp_path_factory.mktemp("peaked_drafter"), target)
+    return target, drafter
+
+
+@pytest.fixture(scope="session")
+def peaked_spec(peaked_models):
+    """One speculative engine on the peaked models, shared by the sampling and reliability
+    tests (engine start-up is the expensive part). Prefix caching is on (vLLM's default)."""
+    import gc
+
+    from vllm_dflash2.testing import FIXED_K, tiny_llm
+
+    target, drafter = peaked_models
+    # 32-token KV blocks: prompts of a few hundred tokens span many cacheable blocks.
+    llm = tiny_llm(target, drafter, max_model_len=512, block_size=32, env=FIXED_K)
+    yield llm
+    del llm
+    gc.collect()

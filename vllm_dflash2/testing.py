@@ -58,8 +58,18 @@ def build_tiny_target(
     num_layers: int = 4,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    peaked: float = 0.0,
 ) -> Path:
-    """A random LlamaForCausalLM with a working tokenizer, saved to ``path``."""
+    """A random LlamaForCausalLM with a working tokenizer, saved to ``path``.
+
+    ``peaked > 0`` builds a target whose next-token distribution is nearly the same
+    at every position (logit spread ~``peaked``): every embedding carries a large
+    constant on channel 0, which dominates the residual stream, and only the
+    (untied) lm_head column 0 is strong. A drafter sharing that embedding and
+    lm_head (``build_peaked_drafter``) then proposes from almost the target's
+    distribution, so drafts are accepted often: what sampling-correctness and
+    acceptance tests need.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
@@ -76,7 +86,7 @@ def build_tiny_target(
         head_dim=32,
         max_position_embeddings=1024,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=peaked <= 0,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -88,6 +98,13 @@ def build_tiny_target(
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+        if peaked > 0:
+            g = torch.Generator().manual_seed(seed + 1)
+            model.get_input_embeddings().weight[:, 0] = 30.0
+            head = model.get_output_embeddings().weight
+            head.normal_(0.0, 0.01, generator=g)
+            # After the final norm channel 0 is ~sqrt(hidden); spread logits by `peaked`.
+            head[:, 0] = torch.randn(head.shape[0], generator=g) * peaked / hidden_size ** 0.5
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -254,3 +271,198 @@ def probe_context_keys(worker, num_tokens: int = 13, seed: int = 0) -> dict[str,
         for i in range(len(model.layers))
     ])
     return {"ours": ours.cpu(), "reference": ref.cpu(), "layer0_weight": layer0.cpu()}
+
+
+def build_peaked_drafter(
+    path: str | Path, target: str | Path, *, seed: int = 0, selector_top_k: int = 8,
+    selector_scale: float = 0.02,
+) -> Path:
+    """A drafter for a ``build_tiny_target(peaked=...)`` target whose drafts get accepted.
+
+    It shares the target's embedding and lm_head (it has none of its own), so its
+    mask rows see the same dominant channel 0 and propose from nearly the target's
+    distribution. Its final-norm weight is exactly 1 (a random one would rescale
+    the logits, i.e. change the proposal's temperature) and the selector's
+    hidden projection is small, so the edge scores perturb the proposal only
+    slightly. q stays the walk's real q: the sampler must still correct it.
+    """
+    target_config = json.loads((Path(target) / "config.json").read_text())
+    config = drafter_config(
+        target_config, dflash_config={"selector_top_k": selector_top_k}
+    )
+    tensors = drafter_tensors(config, seed)
+    tensors["norm.weight"] = torch.ones(config["hidden_size"])
+    tensors["candidate_selector.hidden_projection.weight"] *= selector_scale / 0.3
+    return build_tiny_drafter(
+        path, target, seed=seed, config_overrides={"dflash_config": {"selector_top_k": selector_top_k}},
+        tensors=tensors,
+    )
+
+
+def install_uniform_q(worker, on: bool = True) -> bool:
+    """Test-only sabotage: report a wrong draft distribution to the rejection sampler.
+
+    Drafts are still sampled from the walk's q, but q is reported as uniform over each
+    row's candidates. The sampling test must detect this. (Reporting *one-hot* q would
+    not do: treating any draft as a point-mass proposal is itself lossless.)
+    ``on=False`` restores the proposer's own method.
+    """
+    drafter = worker.model_runner.drafter
+    if not on:
+        drafter.__dict__.pop("_sample_draft_tokens", None)
+        return False
+    original = type(drafter)._sample_draft_tokens.__get__(drafter)
+
+    def wrong(hidden_states, sampling_metadata):
+        tokens, probs = original(hidden_states, sampling_metadata)
+        if probs is not None:
+            support = (probs > 0).float()
+            probs = support / support.sum(-1, keepdim=True).clamp_min(1.0)
+        return tokens, probs
+
+    drafter._sample_draft_tokens = wrong
+    return True
+
+
+def record_drafts(worker, on: bool = True) -> bool:
+    """Record every step's draft tokens (request-major ``[B, K]`` lists) on the drafter,
+    and the mask rows' final hidden states they were drafted from (``[B, K, H]``).
+
+    Read and clear them with ``take_recorded_drafts``; ``on=False`` stops recording.
+    """
+    drafter = worker.model_runner.drafter
+    if not on:
+        drafter.__dict__.pop("_sample_draft_tokens", None)
+        return False
+    original = type(drafter)._sample_draft_tokens.__get__(drafter)
+    drafter._dflash2_recorded = []
+
+    def recording(hidden_states, sampling_metadata):
+        tokens, probs = original(hidden_states, sampling_metadata)
+        k = drafter.num_speculative_tokens
+        drafter._dflash2_recorded.append((
+            tokens.view(-1, k).cpu().tolist(),
+            hidden_states.detach().float().cpu().view(-1, k, hidden_states.shape[-1]).clone(),
+        ))
+        return tokens, probs
+
+    drafter._sample_draft_tokens = recording
+    return True
+
+
+def take_recorded_drafts(worker) -> dict:
+    """What ``record_drafts`` saw since the last call, then clears it.
+
+    ``{"tokens": [step][request][k], "batch": [step] -> requests in that step,
+    "hidden": [sum of batch, K, H] float32}`` (steps concatenated; split by ``batch``).
+    """
+    drafter = worker.model_runner.drafter
+    steps = getattr(drafter, "_dflash2_recorded", [])
+    drafter._dflash2_recorded = []
+    return {
+        "tokens": [tokens for tokens, _ in steps],
+        "batch": [len(tokens) for tokens, _ in steps],
+        "hidden": torch.cat([h for _, h in steps]) if steps else torch.zeros(0),
+    }
+
+
+# Speculate a fixed K in every step: seeded outputs then depend on the seed only.
+# (Adaptive speculation picks K per step from measured step times, so seeded samples,
+# per-step drafts and acceptance depend on timing and engine history.)
+FIXED_K = {"VLLM_DFLASH2_ADAPTIVE": "0"}
+
+
+def tiny_llm(target, drafter=None, num_speculative_tokens: int = 7, *, env=None, **kwargs):
+    """An exactness-test ``LLM``: float32, eager, small, seeded, counters on.
+
+    ``env``: environment variables set while the engine (and so its worker process) is
+    built, restored afterwards. Build it under an ``if __name__ == "__main__":`` guard in
+    scripts (vLLM spawns workers).
+    """
+    import os
+
+    from vllm import LLM
+
+    spec = None
+    if drafter is not None:
+        spec = {"method": "dflash", "model": str(drafter),
+                "num_speculative_tokens": num_speculative_tokens}
+    settings = dict(dtype="float32", enforce_eager=True, max_model_len=512,
+                    gpu_memory_utilization=0.5, seed=0, disable_log_stats=False)
+    settings.update(kwargs)
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        llm = LLM(model=str(target), speculative_config=spec, **settings)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    # vLLM registers one process-global set of Prometheus collectors per engine and
+    # unregisters the previous engine's, so ``get_metrics()`` of any LLM reports the
+    # counters of the most recently built one. Keep this engine's own collectors.
+    from prometheus_client import REGISTRY
+
+    llm._dflash2_collectors = [
+        c for c in list(REGISTRY._collector_to_names)
+        if getattr(c, "_name", "").startswith("vllm:")
+    ]
+    return llm
+
+
+def metric_values(llm, prefix: str = "vllm:") -> dict[str, float]:
+    """This engine's Prometheus counters and gauges by name (labelled series summed).
+
+    The same numbers as ``LLM.get_metrics()`` for the engine built last; for an engine
+    made by ``tiny_llm`` they stay its own after other engines were built.
+    """
+    collectors = getattr(llm, "_dflash2_collectors", None)
+    out: dict[str, float] = {}
+    if collectors is None:
+        for m in llm.get_metrics():
+            if m.name.startswith(prefix) and hasattr(m, "value"):
+                out[m.name] = out.get(m.name, 0) + m.value
+        return out
+    for collector in collectors:
+        for family in collector.collect():
+            if not family.name.startswith(prefix) or family.type not in ("counter", "gauge"):
+                continue
+            for sample in family.samples:
+                if family.type == "gauge" or sample.name.endswith("_total"):
+                    out[family.name] = out.get(family.name, 0) + sample.value
+    return out
+
+
+def zero_draft_kv(worker) -> int:
+    """Test-only sabotage: zero the drafter's KV cache (every block, every draft layer).
+
+    Target KV is untouched, so outputs stay lossless; a test of draft-KV correctness
+    must notice. Returns how many layers were zeroed. Reset the prefix cache afterwards.
+    """
+    drafter = worker.model_runner.drafter
+    ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    names = list(drafter._draft_attn_layer_names)
+    for name in names:
+        cache = ctx[name].kv_cache
+        for t in cache if isinstance(cache, (list, tuple)) else [cache]:
+            t.zero_()
+    return len(names)
+
+
+def probe_candidate_vocab(worker, num_rows: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The drafter's candidates for random hidden states, and a full-vocabulary
+    reference restricted to its candidate vocabulary (for the subset test)."""
+    model = _drafter(worker)
+    g = torch.Generator().manual_seed(seed)
+    weight = model.lm_head.weight
+    hidden = torch.randn(num_rows, weight.shape[1], generator=g).to(weight.dtype)
+    ids, values = model.compute_candidates(hidden)
+    full = (hidden.float() @ weight.float().T)
+    allowed = torch.full_like(full, float("-inf"))
+    vocab = model.candidate_vocab.cpu()
+    allowed[:, vocab] = full[:, vocab]
+    ref_values, ref_ids = allowed.topk(ids.shape[-1], dim=-1)
+    return {"ids": ids.cpu(), "values": values.float().cpu(), "ref_ids": ref_ids,
+            "ref_values": ref_values, "vocab": vocab}

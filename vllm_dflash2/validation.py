@@ -68,13 +68,58 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path.name}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_tensor_entry(path, name, info)
     end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
     if 8 + header_len + end > size:
         raise ValueError(
             f"{path.name}: truncated, data needs {8 + header_len + end} bytes, file has {size}"
         )
     return header
+
+
+# Bytes per element of the safetensors dtypes.
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E5M2FNUZ": 1,
+    "F8_E4M3FNUZ": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
+    "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+
+
+def _check_tensor_entry(path: Path, name: str, info) -> None:
+    """One header entry: dtype, shape and data_offsets present and consistent."""
+    where = f"{path.name}: tensor {name}"
+    if not isinstance(info, dict):
+        raise ValueError(
+            f"{where}: entry {info!r}, expected an object with dtype/shape/data_offsets"
+        )
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"{where}: dtype={dtype!r}, expected one of {sorted(_DTYPE_BYTES)}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"{where}: shape={shape!r}, expected a list of non-negative integers")
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise ValueError(
+            f"{where}: data_offsets={offsets!r}, expected [begin, end] with 0 <= begin <= end"
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    want = numel * _DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != want:
+        raise ValueError(
+            f"{where}: data_offsets={offsets!r} span {offsets[1] - offsets[0]} bytes, expected "
+            f"{want} (shape {shape} x {dtype})"
+        )
 
 
 def tensor_shapes(drafter_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[Problem]]:
