@@ -105,8 +105,11 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     g = torch.Generator().manual_seed(1)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
                for n in (1, 4, 17, 60, 130, 9)]
-    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i, max_tokens=40,
+    # Unseeded sampled rows: a seeded request in the batch pins k = K (checked below).
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, max_tokens=40,
                              ignore_eos=True) for i in range(len(prompts))]
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
 
     def run(spec):
         llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
@@ -116,13 +119,16 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
         state = llm.collective_rpc(profiling.adaptive_state)[0] if spec else None
         counters = {m.name: m.value for m in llm.get_metrics()
                     if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+        reruns = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded, use_tqdm=False)]
+                  for _ in range(2)]
         del llm
         gc.collect()
-        return outs, state, counters
+        return outs, state, counters, reruns
 
-    base, _, _ = run(None)
-    spec, state, counters = run({"method": "dflash", "model": str(tiny_drafter),
-                                 "num_speculative_tokens": K})
+    base, _, _, _ = run(None)
+    spec, state, counters, reruns = run({"method": "dflash", "model": str(tiny_drafter),
+                                         "num_speculative_tokens": K})
+    assert reruns[0] == reruns[1], "seeded requests must reproduce with adaptive speculation on"
     for i in range(0, len(prompts), 2):
         assert spec[i] == base[i], f"greedy request {i} changed under adaptive speculation"
     assert all(len(t) == 40 for t in spec)

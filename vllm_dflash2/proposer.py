@@ -69,6 +69,10 @@ class DFlash2Proposer(DFlashProposer):
             now = time.perf_counter()
             self._observe_verified_step(now, common_attn_metadata)
             k = self.adaptive.choose(common_attn_metadata.batch_size(), num_speculative_tokens)
+            if sampling_metadata.generators:
+                # A seeded request's samples depend on how many drafts each step
+                # verified, and timing-driven k would make reruns differ: keep K.
+                k = num_speculative_tokens
             self._k_prev, self._t_prev = k, now
         if k == 0:
             return self._store_context_only(
