@@ -96,6 +96,14 @@ def split(run: dict) -> dict[str, float]:
     g = lambda key: t.get(key, 0.0)  # noqa: E731
     layers = sorted({k.split("/")[1] for k in t if k.startswith("draft/layer")})
     rows = {"target verification (forward + logits)": g("target/forward") + g("target/logits")}
+    if "target/layers/mlp" in t:
+        rows["  of which: target attention kernel"] = g("target/layers/attention_kernel")
+        rows["  of which: target qkv/o proj, rope"] = (
+            g("target/layers/attention_block") - g("target/layers/attention_kernel"))
+        rows["  of which: target MLPs"] = g("target/layers/mlp")
+        rows["  of which: target logits (lm_head)"] = g("target/logits")
+        rows["  of which: norms, residuals, embedding"] = (
+            g("target/forward") - g("target/layers/attention_block") - g("target/layers/mlp"))
     if "draft/total" in t:
         rows["context K/V precompute"] = g("draft/context_kv")
         layer_sum = 0.0

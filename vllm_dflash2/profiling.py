@@ -53,6 +53,15 @@ def install(worker) -> list[str]:
     _wrap(runner, "_model_forward", "target/forward")
     _wrap(runner.model, "compute_logits", "target/logits")
     _wrap(runner, "_sample", "sample/sample_or_reject")
+    target_layers = getattr(getattr(runner.model, "model", None), "layers", [])
+    for layer in target_layers:  # summed over layers: where a target step goes
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            _wrap(attn, "forward", "target/layers/attention_block")
+            if hasattr(attn, "attn"):
+                _wrap(attn.attn, "forward", "target/layers/attention_kernel")
+        if hasattr(layer, "mlp"):
+            _wrap(layer.mlp, "forward", "target/layers/mlp")
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:
         _wrap(runner, "propose_draft_token_ids", "draft/total")
@@ -88,3 +97,20 @@ def adaptive_state(worker) -> dict | None:
     """The adaptive-speculation controller's estimates (None when it is off)."""
     controller = getattr(worker.model_runner.drafter, "adaptive", None)
     return None if controller is None else controller.snapshot()
+
+
+_TORCH_PROFILER = None
+
+
+def torch_profile_start(worker) -> None:
+    """Op-level view (torch.profiler) of the steps until ``torch_profile_stop``."""
+    global _TORCH_PROFILER
+    _TORCH_PROFILER = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    _TORCH_PROFILER.__enter__()
+
+
+def torch_profile_stop(worker, row_limit: int = 25) -> str:
+    global _TORCH_PROFILER
+    prof, _TORCH_PROFILER = _TORCH_PROFILER, None
+    prof.__exit__(None, None, None)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)

@@ -1,0 +1,80 @@
+"""Candidate vocabulary: candidates restricted to a token subset, inside real vLLM."""
+
+import gc
+import json
+
+import pytest
+import torch
+
+from vllm_dflash2 import testing as probes
+from vllm_dflash2.model import CANDIDATE_VOCAB_KEY, load_candidate_vocab
+from vllm_dflash2.train.vocab import coverage, rank_tokens, write
+
+
+def test_rank_tokens_takes_frequent_tokens_then_low_ids():
+    tokens = torch.tensor([300, 300, 300, 250, 250, 7, 383])
+    ids = rank_tokens(tokens, vocab_size=384, size=6)
+    assert ids.tolist() == sorted(set(ids.tolist())) and ids.numel() == 6
+    assert {300, 250, 7, 383} <= set(ids.tolist())
+    assert set(ids.tolist()) - {300, 250, 7, 383} == {0, 1}
+    assert coverage(ids, tokens, 384) == 1.0
+    assert rank_tokens(tokens, 384, 2).tolist() == [250, 300]
+    with pytest.raises(ValueError, match="size=0"):
+        rank_tokens(tokens, 384, 0)
+
+
+class _Cfg:
+    vocab_size = 384
+    dflash_config = {"selector_top_k": 4}
+
+    def __init__(self, name):
+        setattr(self, CANDIDATE_VOCAB_KEY, name)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.arange(3), "at least selector_top_k=4"),
+    (torch.tensor([0, 1, 2, 384]), r"in \[0, 384\)"),
+    (torch.tensor([0, 1, 1, 2]), "unique"),
+    (["a", "b", "c", "d"], "expected"),
+])
+def test_bad_candidate_vocab_is_refused(tmp_path, ids, message):
+    ids = ids.tolist() if torch.is_tensor(ids) else ids
+    (tmp_path / "v.json").write_text(json.dumps({"token_ids": ids}))
+    with pytest.raises(ValueError, match=message):
+        load_candidate_vocab(tmp_path, _Cfg("v.json"))
+    with pytest.raises(ValueError, match="no such file"):
+        load_candidate_vocab(tmp_path, _Cfg("missing.json"))
+    assert load_candidate_vocab(tmp_path, _Cfg(None)) is None
+
+
+@pytest.mark.e2e
+def test_engine_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    drafter = probes.build_tiny_drafter(tmp_path / "drafter", tiny_target)
+    subset = torch.arange(0, 384, 3, dtype=torch.int64)  # every third token
+    write(drafter, subset)
+    assert json.loads((drafter / "config.json").read_text())[CANDIDATE_VOCAB_KEY]
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
+               for n in (2, 19, 77)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(spec):
+        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
+                  gpu_memory_utilization=0.5, seed=0, speculative_config=spec)
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        probe = llm.collective_rpc(probes.probe_candidate_vocab)[0] if spec else None
+        del llm
+        gc.collect()
+        return outs, probe
+
+    base, _ = run(None)
+    spec, probe = run({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
+    assert spec == base  # verification stays lossless
+    assert torch.equal(probe["vocab"], subset)
+    assert set(probe["ids"].flatten().tolist()) <= set(subset.tolist())
+    torch.testing.assert_close(probe["values"], probe["ref_values"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(probe["ids"].sort(-1).values, probe["ref_ids"].sort(-1).values)
