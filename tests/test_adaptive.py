@@ -137,3 +137,9 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     assert {0, K} <= measured_k, measured_k  # full speculation and plain decoding both ran
     # A random drafter is never accepted: most steps must have drafted fewer than K.
     assert counters["vllm:spec_decode_num_draft_tokens"] < K * counters["vllm:spec_decode_num_drafts"]
+
+
+def test_default_depends_on_the_backend(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert enabled_from_env(default=True) is True
+    assert enabled_from_env(default=False) is False

@@ -9,7 +9,9 @@ current batch size it is switched off. Every ``explore_every`` steps of a batch
 size it tries a neighbour of its choice so stale estimates get refreshed.
 
 Pure Python on purpose: it runs once per step on the host and is unit-tested
-without an engine. ``DFlash2Proposer`` feeds it (``VLLM_DFLASH2_ADAPTIVE``).
+without an engine. ``DFlash2Proposer`` feeds it (``VLLM_DFLASH2_ADAPTIVE``; default on
+for the CPU backend, where it is measured, off on GPUs: reading the accepted counts
+each step would add a device sync there).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import os
 ENV = "VLLM_DFLASH2_ADAPTIVE"
 
 
-def enabled_from_env() -> bool:
-    value = os.environ.get(ENV, "1").strip().lower()
+def enabled_from_env(default: bool = True) -> bool:
+    value = os.environ.get(ENV, "1" if default else "0").strip().lower()
     if value in ("1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):

@@ -18,10 +18,10 @@ parameters. We change three things:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-import json
 from vllm import _custom_ops as vllm_ops
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.qwen3_dflash2 import (

@@ -35,7 +35,7 @@ class DFlash2Proposer(DFlashProposer):
         # Adaptive speculation (see adaptive.py): state of the step now being verified.
         self.adaptive = (
             adaptive.AdaptiveSpeculation(self.num_speculative_tokens)
-            if adaptive.enabled_from_env() else None
+            if adaptive.enabled_from_env(default=torch.device(device).type == "cpu") else None
         )
         self._k_prev = 0
         self._t_prev: float | None = None
