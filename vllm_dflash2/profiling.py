@@ -95,8 +95,17 @@ def read(worker) -> dict[str, dict[str, float]]:
 
 def adaptive_state(worker) -> dict | None:
     """The adaptive-speculation controller's estimates (None when it is off)."""
-    controller = getattr(worker.model_runner.drafter, "adaptive", None)
-    return None if controller is None else controller.snapshot()
+    drafter = worker.model_runner.drafter
+    controllers = getattr(drafter, "_controllers", None)
+    if getattr(drafter, "adaptive", None) is None or not controllers:
+        return None
+    greedy, sampled = controllers[True].snapshot(), controllers[False].snapshot()
+    # Merged view (tests read cost_ms keys); each controller also returned on its own.
+    cost = {}
+    for snap in (greedy, sampled):
+        for b, costs in snap["cost_ms"].items():
+            cost.setdefault(b, {}).update(costs)
+    return {"cost_ms": cost, "greedy": greedy, "sampled": sampled}
 
 
 _TORCH_PROFILER = None

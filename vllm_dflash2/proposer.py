@@ -33,10 +33,15 @@ class DFlash2Proposer(DFlashProposer):
         self.pass_draft_probs = self.speculative_config.rejection_sample_method == "standard"
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
         # Adaptive speculation (see adaptive.py): state of the step now being verified.
-        self.adaptive = (
-            adaptive.AdaptiveSpeculation(self.num_speculative_tokens)
-            if adaptive.enabled_from_env(default=torch.device(device).type == "cpu") else None
-        )
+        # One controller for all-greedy batches, one for batches that sample: acceptance
+        # and step cost (dense q, probabilistic rejection) differ between the two.
+        self.adaptive = None
+        if adaptive.enabled_from_env(default=torch.device(device).type == "cpu"):
+            self._controllers = {
+                greedy: adaptive.AdaptiveSpeculation(self.num_speculative_tokens)
+                for greedy in (True, False)
+            }
+            self.adaptive = self._controllers[True]
         self._k_prev = 0
         self._t_prev: float | None = None
         self._verified: tuple[list[int], torch.Tensor] | None = None
@@ -67,7 +72,8 @@ class DFlash2Proposer(DFlashProposer):
         k = num_speculative_tokens
         if self.adaptive is not None:
             now = time.perf_counter()
-            self._observe_verified_step(now, common_attn_metadata)
+            self._observe_verified_step(now, common_attn_metadata)  # the previous controller
+            self.adaptive = self._controllers[bool(sampling_metadata.all_greedy)]
             k = self.adaptive.choose(common_attn_metadata.batch_size(), num_speculative_tokens)
             if sampling_metadata.generators:
                 # A seeded request's samples depend on how many drafts each step
