@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_dflash2 import testing as probes
-from vllm_dflash2.model import CANDIDATE_VOCAB_KEY, load_candidate_vocab
+from vllm_dflash2.checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
 from vllm_dflash2.train.vocab import coverage, rank_tokens, write
 
 
@@ -78,3 +78,16 @@ def test_engine_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
     assert set(probe["ids"].flatten().tolist()) <= set(subset.tolist())
     torch.testing.assert_close(probe["values"], probe["ref_values"], rtol=1e-4, atol=1e-4)
     assert torch.equal(probe["ids"].sort(-1).values, probe["ref_ids"].sort(-1).values)
+
+
+def test_check_refuses_a_bad_candidate_vocab_before_start(tiny_target, tmp_path):
+    from vllm_dflash2.validation import target_spec_from_dir, validate_drafter
+
+    drafter = probes.build_tiny_drafter(tmp_path / "drafter", tiny_target)
+    target = target_spec_from_dir(tiny_target)
+    write(drafter, torch.arange(0, 384, 2, dtype=torch.int64))
+    assert validate_drafter(drafter, target, 7) == []
+    (drafter / "candidate_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 999]}))
+    problems = validate_drafter(drafter, target, 7)
+    assert [p.field for p in problems] == [CANDIDATE_VOCAB_KEY]
+    assert "selector_top_k" in problems[0].expected and "384" in problems[0].expected

@@ -116,3 +116,33 @@ def load_drafter_spec(path: Path) -> DrafterSpec:
         except (OSError, ValueError):
             pass  # reported by the tensor checks
     return spec_from_config(config, names)
+
+
+CANDIDATE_VOCAB_KEY = "vllm_dflash2_candidate_vocab"
+
+
+def load_candidate_vocab(model_dir: str | Path, hf_config):
+    """Target token ids candidates may come from (an int64 tensor; None: the whole
+    vocabulary). ``hf_config``: any object with the config.json keys as attributes."""
+    import torch
+
+    name = getattr(hf_config, CANDIDATE_VOCAB_KEY, None)
+    if not name:
+        return None
+    path = Path(model_dir) / name
+    if not path.is_file():
+        raise ValueError(f"{CANDIDATE_VOCAB_KEY}={name!r}: no such file in {model_dir}")
+    # JSON, not safetensors: vLLM's loader reads every *.safetensors in the folder.
+    raw = json.loads(path.read_text()).get("token_ids")
+    if not isinstance(raw, list) or not all(isinstance(i, int) for i in raw):
+        raise ValueError(f"{path.name}: expected {{\"token_ids\": [int, ...]}}")
+    ids = torch.tensor(raw, dtype=torch.int64)
+    vocab = hf_config.vocab_size
+    top_k = (getattr(hf_config, "dflash_config", None) or {}).get("selector_top_k", 1)
+    if ids.numel() < top_k or ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{path.name}: expected at least selector_top_k={top_k} ids in "
+                         f"[0, {vocab}), got {ids.numel()} ids"
+                         + (f" in [{ids.min()}, {ids.max()}]" if ids.numel() else ""))
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{path.name}: token ids must be unique")
+    return ids

@@ -18,9 +18,6 @@ parameters. We change three things:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from vllm import _custom_ops as vllm_ops
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
@@ -32,6 +29,7 @@ from vllm.model_executor.models.qwen3_dflash2 import (
 )
 
 from . import ops
+from .checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
 
 
 class GroupedConv(DFlashGroupedConv):
@@ -83,33 +81,6 @@ class DFlashForCausalLM(DFlashQwen3ForCausalLM):
     DFlash-vs-DFlash2 comparison on CPU is not skewed by that vLLM bug."""
 
     model_cls = DFlashModel
-
-
-CANDIDATE_VOCAB_KEY = "vllm_dflash2_candidate_vocab"
-
-
-def load_candidate_vocab(model_dir: str | Path, hf_config) -> torch.Tensor | None:
-    """Target token ids candidates may come from (None: the whole vocabulary)."""
-    name = getattr(hf_config, CANDIDATE_VOCAB_KEY, None)
-    if not name:
-        return None
-    path = Path(model_dir) / name
-    if not path.is_file():
-        raise ValueError(f"{CANDIDATE_VOCAB_KEY}={name!r}: no such file in {model_dir}")
-    # JSON, not safetensors: vLLM's loader reads every *.safetensors in the folder.
-    raw = json.loads(path.read_text()).get("token_ids")
-    if not isinstance(raw, list) or not all(isinstance(i, int) for i in raw):
-        raise ValueError(f"{path.name}: expected {{\"token_ids\": [int, ...]}}")
-    ids = torch.tensor(raw, dtype=torch.int64)
-    vocab = hf_config.vocab_size
-    top_k = (getattr(hf_config, "dflash_config", None) or {}).get("selector_top_k", 1)
-    if ids.numel() < top_k or ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"{path.name}: expected at least selector_top_k={top_k} ids in "
-                         f"[0, {vocab}), got {ids.numel()} ids"
-                         + (f" in [{ids.min()}, {ids.max()}]" if ids.numel() else ""))
-    if ids.unique().numel() != ids.numel():
-        raise ValueError(f"{path.name}: token ids must be unique")
-    return ids
 
 
 class DFlash2ForCausalLM(DFlash2Qwen3ForCausalLM):

@@ -235,6 +235,20 @@ def _config_problems(
     return out
 
 
+def _candidate_vocab_problems(path: Path) -> list[Problem]:
+    from types import SimpleNamespace
+
+    from .checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
+
+    raw = json.loads((path / "config.json").read_text())
+    try:
+        load_candidate_vocab(path, SimpleNamespace(**raw))
+    except ValueError as exc:
+        return [Problem(CANDIDATE_VOCAB_KEY, raw.get(CANDIDATE_VOCAB_KEY),
+                        f"a valid candidate vocabulary file ({exc})")]
+    return []
+
+
 def validate_drafter(
     drafter: str | os.PathLike,
     target: TargetSpec,
@@ -249,6 +263,7 @@ def validate_drafter(
     except ValueError as exc:
         return [Problem("config.json", str(path / "config.json"), f"a DFlash2 drafter config ({exc})")]
     problems = _config_problems(spec, target, num_speculative_tokens)
+    problems += _candidate_vocab_problems(path)
     shapes, file_problems = tensor_shapes(path)
     problems += file_problems
     if file_problems or any(p.field.startswith("dflash_config.conv") for p in problems):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import CANDIDATE_VOCAB_KEY
+from ..checkpoint import CANDIDATE_VOCAB_KEY
 
 FILE = "candidate_vocab.json"  # not .safetensors: vLLM would load it as weights
 
