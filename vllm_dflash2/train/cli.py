@@ -219,7 +219,9 @@ def train(args) -> dict:
     bar.close()
     for v in variants:
         save(v)
-    summary = {"target": tpath, "command": " ".join(sys.argv), "data_seconds": t_data, "variants": {}}
+    # Names, not machine paths: the summary is committed next to the shipped drafter.
+    summary = {"target": Path(tpath).name, "command": " ".join(["vllm-dflash2 train", *sys.argv[1:]]),
+               "data_seconds": t_data, "variants": {}}
     held = held_out_prompts()
     for v in variants:
         st = states[v]
