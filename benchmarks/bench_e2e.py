@@ -23,13 +23,10 @@ import argparse
 import gc
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -58,19 +55,11 @@ def load_prompts() -> list[str]:
     return [p["prompt"] for p in held_out_prompts()]
 
 
-def _spec_counters(metrics) -> tuple[float, float]:
-    drafts = accepted = 0.0
-    for m in metrics:
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted = m.value
-    return drafts, accepted
-
-
 # -- offline -------------------------------------------------------------------
 def run_offline(method: str, args, prompts: list[str]) -> list[dict]:
     from vllm import LLM, SamplingParams
+
+    from vllm_dflash2.testing import spec_decode_counts
 
     spec, adaptive = spec_config(method, args)
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive  # read by the worker it spawns
@@ -87,14 +76,14 @@ def run_offline(method: str, args, prompts: list[str]) -> list[dict]:
             # a seeded request is in the batch (seeded outputs must reproduce).
             params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                                      ignore_eos=True) for i in range(c)]
-            d0, a0 = _spec_counters(llm.get_metrics())
+            d0, a0 = spec_decode_counts(llm)
             elapsed = tokens = 0.0
             for _ in range(args.rounds):
                 start = time.perf_counter()
                 outs = llm.chat(batch, params, use_tqdm=False)
                 elapsed += time.perf_counter() - start
                 tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-            d1, a1 = _spec_counters(llm.get_metrics())
+            d1, a1 = spec_decode_counts(llm)
             rows.append({
                 "mode": "offline", "method": method, "temperature": temperature,
                 "concurrency": c, "tokens": tokens, "seconds": elapsed,
@@ -110,44 +99,19 @@ def run_offline(method: str, args, prompts: list[str]) -> list[dict]:
 
 
 # -- served --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server at {url} not healthy after {timeout} s")
-
-
 def run_served(method: str, args, prompt_file: Path, workdir: Path) -> list[dict]:
+    from vllm_dflash2.testing import Server
+
     spec, adaptive = spec_config(method, args)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_DFLASH2_ADAPTIVE=adaptive)
-    cmd = ["vllm-dflash2", "serve", args.target, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "target", "--dtype", args.dtype, "--enforce-eager",
-           "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
-           "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
+    serve_args = ["--served-model-name", "target", "--dtype", args.dtype, "--enforce-eager",
+                  "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
+                  "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
     if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    log = open(workdir / f"server_{method}.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+        serve_args += ["--speculative-config", json.dumps(spec)]
     rows = []
-    try:
-        _wait_healthy(url, proc)
+    with Server(args.target, serve_args, workdir / f"server_{method}.log",
+                env={"VLLM_DFLASH2_ADAPTIVE": adaptive}, timeout=600) as server:
+        url = server.base
         for temperature in args.temperatures:
             for c in args.concurrency:
                 name = f"{method}_t{temperature}_c{c}.json"
@@ -170,13 +134,6 @@ def run_served(method: str, args, prompt_file: Path, workdir: Path) -> list[dict
                     "failed": res.get("failed", 0),
                 })
                 print(json.dumps(rows[-1]), flush=True)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
     return rows
 
 

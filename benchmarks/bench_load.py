@@ -20,22 +20,14 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CLI = os.path.join(os.path.dirname(sys.executable), "vllm-dflash2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -84,32 +76,15 @@ def rss_kib(pid: int) -> dict:
             "per_process_kib": sorted(per.values(), reverse=True)}
 
 
-def healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=10) as r:
-            return r.status == 200
-    except OSError:
-        return False
+def start_server(target, drafter, k, log_path, max_model_len):
+    from vllm_dflash2.testing import Server
 
-
-def start_server(target, drafter, k, port, log_path, max_model_len):
     spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": k})
-    cmd = [CLI, "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(max_model_len),
-           "--gpu-memory-utilization", "0.5", "--served-model-name", "bench",
-           "--speculative-config", spec]
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while not healthy(base):
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise SystemExit(f"server did not start; log:\n{Path(log_path).read_text()[-3000:]}")
-        time.sleep(1)
-    return proc, base
+    args = ["--dtype", "float32", "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", "0.5", "--served-model-name", "bench",
+            "--speculative-config", spec]
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return Server(target, args, log_path, env=env, timeout=600).start()
 
 
 def run_bench(base, tokenizer, num_prompts, concurrency, input_len, output_len, seed, out_dir):
@@ -170,9 +145,9 @@ def main() -> int:
         drafter = build_tiny_drafter(work / "drafter", target)
         models = "tiny"
 
-    port = _free_port()
-    proc, base = start_server(target, drafter, args.num_speculative_tokens, port,
-                              work / "server.log", args.max_model_len)
+    server = start_server(target, drafter, args.num_speculative_tokens, work / "server.log",
+                          args.max_model_len)
+    proc, base = server.proc, server.base
     report = {
         "benchmark": "bench_load",
         "models": models,
@@ -207,7 +182,7 @@ def main() -> int:
                 row.update(round=rnd, concurrency=conc, rss_before_kib=before["total_kib"],
                            rss_after_kib=after["total_kib"],
                            rss_delta_kib=after["total_kib"] - before["total_kib"],
-                           server_alive=proc.poll() is None and healthy(base))
+                           server_alive=proc.poll() is None and server.healthy())
                 failed = (row.get("failed") or 0) + (args.num_prompts - (row.get("completed") or 0))
                 total_failed += failed
                 report["runs"].append(row)
@@ -215,15 +190,11 @@ def main() -> int:
                     "round", "concurrency", "completed", "failed", "request_throughput",
                     "output_throughput", "spec_decode_acceptance_length", "rss_before_kib",
                     "rss_after_kib", "server_alive")}), flush=True)
-        report["server_alive_at_end"] = proc.poll() is None and healthy(base)
+        report["server_alive_at_end"] = proc.poll() is None and server.healthy()
         report["server_rss_at_end"] = rss_kib(proc.pid)
         report["total_failed_requests"] = total_failed
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -42,20 +42,11 @@ def _engine(target, drafter, k, dtype, compile_, extra):
                disable_log_stats=False)
 
 
-def _accepted(llm) -> tuple[int, int]:
-    drafts = acc = 0
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            acc = m.value
-    return drafts, acc
-
-
 def profile(target, drafter, k, dtype, compile_, max_tokens, extra=None) -> dict:
     from vllm import SamplingParams
 
     from vllm_dflash2 import profiling
+    from vllm_dflash2.testing import spec_decode_counts
 
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = "0"  # fixed K: the worker reads it at spawn
     llm = _engine(target, drafter, k, dtype, compile_, extra or {})
@@ -63,7 +54,7 @@ def profile(target, drafter, k, dtype, compile_, max_tokens, extra=None) -> dict
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     llm.chat(chats[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     llm.collective_rpc(profiling.install)
-    d0, a0 = _accepted(llm)
+    d0, a0 = spec_decode_counts(llm)
     wall = 0.0
     tokens = 0
     llm.collective_rpc(profiling.reset)
@@ -73,7 +64,7 @@ def profile(target, drafter, k, dtype, compile_, max_tokens, extra=None) -> dict
         wall += time.perf_counter() - start
         tokens += len(out[0].outputs[0].token_ids)
     timers = llm.collective_rpc(profiling.read)[0]
-    d1, a1 = _accepted(llm)
+    d1, a1 = spec_decode_counts(llm)
     del llm
     gc.collect()
     steps = timers["step/execute_model"]["calls"]

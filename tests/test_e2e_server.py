@@ -1,22 +1,13 @@
 """`vllm serve` with the plugin on 127.0.0.1: completions, chat, streaming, /metrics."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
+from vllm_dflash2.testing import Server
+
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url, body, stream=False):
@@ -27,38 +18,12 @@ def _post(url, body, stream=False):
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_drafter, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     spec = json.dumps({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": 7})
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-dflash2"), "serve", str(tiny_target),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
-           "--served-model-name", "tiny", "--speculative-config", spec]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not become healthy in 300 s:\n" + log.read_text()[-3000:])
-            time.sleep(1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with Server(tiny_target, ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+                              "--gpu-memory-utilization", "0.5", "--served-model-name", "tiny",
+                              "--speculative-config", spec], log) as srv:
+        yield srv.base
 
 
 def test_completion(server):

@@ -9,7 +9,6 @@ failed requests, and the server is alive and healthy after all of it.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,16 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from vllm_dflash2.testing import Server
+
 pytestmark = pytest.mark.e2e
 
 K = 7
 MAX_LEN = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url, body: bytes, timeout=120) -> tuple[int, dict | str]:
@@ -58,38 +53,14 @@ def _metric(base, name) -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_drafter, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("robust_server") / "server.log"
     spec = json.dumps({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": K})
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-dflash2"), "serve", str(tiny_target),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", str(MAX_LEN), "--gpu-memory-utilization", "0.5",
-           "--served-model-name", "tiny", "--speculative-config", spec]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not become healthy in 300 s:\n" + log.read_text()[-3000:])
-            time.sleep(1)
-        yield {"base": base, "proc": proc, "log": log, "port": port, "target": tiny_target}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    log = tmp_path_factory.mktemp("robust_server") / "server.log"
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
+            "--gpu-memory-utilization", "0.5", "--served-model-name", "tiny",
+            "--speculative-config", spec]
+    with Server(tiny_target, args, log) as srv:
+        yield {"base": srv.base, "proc": srv.proc, "log": srv.log, "port": srv.port,
+               "target": tiny_target}
 
 
 def _alive(server):

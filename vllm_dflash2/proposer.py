@@ -105,11 +105,8 @@ class DFlash2Proposer(DFlashProposer):
             target_positions=target_positions, target_hidden_states=hidden,
             token_indices_to_sample=None, cad=cad, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
-        n = self._dflash_num_context
-        self.model.precompute_and_store_context_kv(
-            self._dflash_hidden_states, self._context_positions_buffer[:n],
-            self._context_slot_mapping_buffer[:n],
-        )
+        # Upstream's first-pass builder stores the context K/V; no query tokens to build.
+        self.build_model_inputs_first_pass(0, 0, None)
         return torch.empty((cad.batch_size(), 0), dtype=torch.int64, device=self.device)
 
     def _draft_model(self):
