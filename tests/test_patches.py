@@ -148,3 +148,47 @@ def test_cpu_expand_kernel_patched_matches_triton_semantics():
     CpuPlatform.register_triton_kernel_overrides()
     got = expand_batch_to_tokens(temperature, cu, 6, replace_from=0, replace_to=1)
     assert torch.equal(got, want)
+
+
+def _gate_case(max_seq_len, *, drafter=None, drafter_max_len=512):
+    """A V1 runner stand-in for GPUModelRunner._input_fits_in_drafter: K = 7, DFlash."""
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(
+        speculative_config=SimpleNamespace(use_dflash=lambda: True),
+        num_spec_tokens=7,
+        effective_drafter_max_model_len=drafter_max_len,
+        drafter=drafter,
+    )
+    cad = None if max_seq_len is None else SimpleNamespace(max_seq_len=max_seq_len)
+    return runner, cad
+
+
+def test_drafting_gate_is_per_request_for_dflash2():
+    """vLLM's V1 gate drafts for nobody once the batch's longest sequence + K + 1 passes
+    the drafter's max_model_len (pinned on the original: drop our patch once vLLM gates per
+    request); patched, a drafter that clamps its query rows drafts for the whole batch."""
+    from types import SimpleNamespace
+
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    from vllm_dflash2 import proposer
+
+    patches._draft_per_request_at_context_end(gmr)
+    gate = gmr.GPUModelRunner._input_fits_in_drafter
+    assert getattr(gate, "_dflash2", False)
+    [original] = [c.cell_contents for c in gate.__closure__ if callable(c.cell_contents)]
+    dflash2 = SimpleNamespace(drafts_at_context_end=True)
+    assert original(*_gate_case(504, drafter=dflash2))  # 504 + 8 fits 512
+    assert not original(*_gate_case(505, drafter=dflash2))  # the whole batch stops drafting
+    assert gate(*_gate_case(505, drafter=dflash2))
+    assert gate(*_gate_case(512, drafter=dflash2))
+    # Context past the drafter's own length, other drafters, no metadata: vLLM's answer.
+    assert not gate(*_gate_case(513, drafter=dflash2))
+    assert not gate(*_gate_case(505, drafter=SimpleNamespace()))
+    assert not gate(*_gate_case(505, drafter=SimpleNamespace(drafts_at_context_end=False)))
+    assert not gate(*_gate_case(None, drafter=dflash2))
+    # The query rows past the window get vLLM's padding slot: no KV write.
+    from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+
+    assert proposer._PAD_SLOT == PADDING_SLOT_ID

