@@ -74,6 +74,8 @@ def _summarize(d: dict) -> dict:
 def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_tokens: int,
              temperatures: list[float], dtype: str, seed: int) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # Acceptance is measured at the K asked for: adaptive speculation would draft fewer.
+    os.environ.setdefault("VLLM_DFLASH2_ADAPTIVE", "0")
     from vllm import LLM, SamplingParams
 
     kw = dict(model=target, enforce_eager=True, dtype=dtype, disable_log_stats=False,
@@ -155,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 
         from .train.cli import load_target
         from .train.estimate import estimate_tau
-        from .train.model import load_native
+        from .train.model import drafter_head, load_native
 
         torch.set_num_threads(2)
         tmodel, tok, _ = load_target(target)
         for d in drafters:
-            res = estimate_tau(tmodel, tok, load_native(d), prompts, args.max_tokens)
+            res = estimate_tau(tmodel, tok, load_native(d), prompts, args.max_tokens,
+                               head=drafter_head(tmodel, d))
             result["spec"][Path(d).name] = {f"offline/{k}": v for k, v in res.items() if isinstance(v, dict)}
             print(Path(d).name, {k: round(v["tau"], 3) for k, v in res.items() if isinstance(v, dict)})
     else:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from vllm_dflash2.train.cli import sample_batch
+from vllm_dflash2.train.data import target_features
 from vllm_dflash2.train.estimate import speculative_greedy
-from vllm_dflash2.train.model import DraftConfig, DraftModel, block_loss, load_native
+from vllm_dflash2.train.model import DraftConfig, DraftModel, Head, block_loss, load_native
 
 V, H, NL = 128, 64, 4
 
@@ -40,8 +41,7 @@ def _data(target, n=6, length=40):
         prompt = torch.randint(10, V, (8,), generator=g)
         seq = target.generate(prompt.view(1, -1), max_new_tokens=length, do_sample=False,
                               attention_mask=torch.ones(1, 8, dtype=torch.long))[0]
-        hs = target(seq.view(1, -1), output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[j + 1] for j in (0, 3)], dim=-1)[0]
+        feats = target_features(target, seq[:-1].view(1, -1), [0, 3])[0]  # all tokens but the last
         out.append({"tokens": seq, "feats": feats, "prompt_len": 8, "kind": "code"})
     return out
 
@@ -52,13 +52,12 @@ def test_training_reduces_loss(target, variant):
     data = _data(target)
     embed = target.get_input_embeddings().weight.float()
     model = DraftModel(_cfg(variant))
-    model.init_mask_embedding(embed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
     fixed = sample_batch(data, rng, 4, 6, 4)
     losses = []
     for _ in range(80):
-        loss, met = block_loss(model, model(*fixed, embed), fixed[1], fixed[2], embed)
+        loss, met = block_loss(model, model(*fixed, embed), fixed[1], fixed[2], Head(embed))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -85,10 +84,18 @@ def test_export_roundtrip_and_config(tmp_path, target):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+    model.set_feature_scale(torch.rand(2 * H) * 50 + 0.5)  # training-only: folded into fc
     out = model.save_native(tmp_path / "d", dtype=torch.float32)
     back = load_native(out)
     for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
-        assert k == k2 and torch.equal(a, b), k
+        assert k == k2, k
+        if k not in ("fc.weight", "feat_scale"):
+            assert torch.equal(a, b), k
+    assert torch.equal(back.feat_scale, torch.ones(2 * H))
+    data = _data(target, n=2)
+    embed = target.get_input_embeddings().weight.float()
+    batch = sample_batch(data, random.Random(0), 2, 3, 4)
+    torch.testing.assert_close(back(*batch, embed), model(*batch, embed), rtol=1e-4, atol=1e-4)
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["DFlash2DraftModel"] and conf["model_type"] == "qwen3"
     dc = conf["dflash_config"]
@@ -111,8 +118,7 @@ def test_export_roundtrip_and_config(tmp_path, target):
         assert shapes[f"layers.{i}.mlp_conv.kernel_projection.weight"] == (2 * dc["conv_kernel_size"] * groups, H)
         assert shapes[f"layers.{i}.self_attn.q_proj.weight"] == (
             conf["num_attention_heads"] * conf["head_dim"], H)
-    me = torch.load(out / "mask_embedding.pt")
-    assert me["mask_token_id"] == dc["mask_token_id"] and me["embedding"].shape == (H,)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_plain_dflash_export_has_no_conv(tmp_path):
@@ -153,3 +159,155 @@ def test_offline_estimator_is_lossless_and_tau_at_least_one(target, variant):
     ref = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
                           attention_mask=torch.ones(1, 10, dtype=torch.long))[0, 10:]
     assert r["generated"] >= 30 and len(ref) == 30
+
+
+def test_restricted_head(target):
+    """The candidate-vocabulary CE is the CE over the kept rows of the lm_head; labels
+    outside it are ignored by the loss but count as misses; ids map back to the target's."""
+    torch.manual_seed(0)
+    data = _data(target, n=3)
+    embed = target.get_input_embeddings().weight.float()
+    batch = sample_batch(data, random.Random(0), 2, 3, 4)
+    model = DraftModel(_cfg("dflash"))
+    hidden = model(*batch, embed)
+    whole = Head(embed, torch.arange(V))
+    assert torch.equal(whole.weight, Head(embed).weight)
+    assert torch.allclose(block_loss(model, hidden, batch[1], batch[2], whole)[0],
+                          block_loss(model, hidden, batch[1], batch[2], Head(embed))[0])
+
+    labels = torch.unique(batch[1][batch[1] >= 0])
+    kept = labels[: len(labels) // 2]
+    vocab = torch.cat([kept, torch.arange(V)[~torch.isin(torch.arange(V), labels)][:8]]).sort().values
+    head = Head(embed, vocab)
+    assert torch.equal(head.to_target(torch.arange(len(vocab))), vocab)
+    assert torch.equal(head.local[vocab], torch.arange(len(vocab))) and int((head.local >= 0).sum()) == len(vocab)
+    loss, met = block_loss(model, hidden, batch[1], batch[2], head)
+
+    idx = batch[2].unsqueeze(-1) + torch.arange(1, 4)
+    lab = batch[1].gather(1, idx.view(2, -1)).view(2, 3, 3)
+    w = torch.exp(-torch.arange(3.0) / 4.0)
+    num = den = 0.0
+    hits = total = 0
+    for i in range(2):
+        for j in range(3):
+            for k in range(3):
+                t = int(lab[i, j, k])
+                if t < 0:
+                    continue
+                total += 1
+                logits = hidden[i, j, k + 1] @ embed[vocab].t()
+                if t in vocab.tolist():
+                    loc = vocab.tolist().index(t)
+                    ce = -torch.log_softmax(logits, -1)[loc]
+                    num, den = num + w[k] * ce, den + w[k]
+                    hits += int(int(logits.argmax()) == loc)
+    assert torch.allclose(loss, num / den, atol=1e-5)
+    assert abs(met["top1"] - hits / total) < 1e-6
+
+
+def test_labels_past_the_end_are_ignored(target):
+    data = _data(target, n=1, length=12)
+    embed = target.get_input_embeddings().weight.float()
+    model = DraftModel(_cfg("dflash"))
+    feats, tokens, _ = sample_batch(data, random.Random(0), 1, 1, 4)
+    n = len(data[0]["tokens"])
+    assert (tokens[0, n:] == -1).all() and feats.shape[1] == n
+    last = torch.tensor([[n - 2]])  # row 1 predicts the last token, rows 2-3 run past the end
+    hidden = model(feats, tokens, last, embed)
+    loss, _ = block_loss(model, hidden, tokens, last, Head(embed))
+    row1 = hidden[0, 0, 1] @ embed.t()
+    expected = torch.nn.functional.cross_entropy(row1.view(1, -1), tokens[0, n - 1].view(1))
+    assert torch.allclose(loss, expected, atol=1e-5)
+
+
+def test_self_distillation_dataset(tmp_path):
+    """The continuously refilled generator answers exactly like HF greedy decoding, captures
+    the features a full forward gives, writes self-instruct prompts through the chat
+    template and drops prompts that resemble held-out ones."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_dflash2.testing import build_tiny_target
+    from vllm_dflash2.train.data import Job, chat_ids, generate_dataset, user_turn_parts
+
+    path = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=3)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    head, turn_end = user_turn_parts(tok)
+    assert head.endswith("<|user|>\n") and tok.decode(turn_end) == "\n<|assistant|>\n"
+    prompts = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "Hello! How can I"]
+    jobs = [Job(chat_ids(tok, p), "code", prompt=p) for p in prompts]
+    jobs += [Job(tok(head + "Write", add_special_tokens=False)["input_ids"], "chat", self_instruct=True,
+                 opener="Write") for _ in range(3)]
+    # 7 jobs through 3 rows: rows are refilled, and the cache cap forces a second batch.
+    data, stats = generate_dataset(model, tok, jobs, [0, 2], max_new_tokens=12, batch_size=3,
+                                   max_prompt_new_tokens=6, max_cache_len=90, progress=False,
+                                   held_out=["The quick brown fox"], min_prompt_words=1,
+                                   min_answer_tokens=1)
+    assert stats["dropped_held_out"] == 1 and stats["jobs"] == 7
+    assert len(data) + stats["dropped_short"] + stats["dropped_held_out"] == 7
+    fixed = [d for d in data if d["prompt"] in prompts]
+    assert len(fixed) == 3 and any(not d["prompt"] in prompts for d in data)
+    for d in data:
+        ids = d["tokens"].long()
+        prompt = ids[: d["prompt_len"]].view(1, -1)
+        ref = model.generate(prompt, max_new_tokens=12, do_sample=False,
+                             attention_mask=torch.ones_like(prompt))[0, prompt.shape[1]:]
+        assert torch.equal(ids[d["prompt_len"]:], ref[: len(ids) - d["prompt_len"]])
+        raw = {}
+        hooks = [model.model.layers[j].register_forward_hook(
+            lambda _m, _i, o, j=j: raw.__setitem__(j, o[0] if isinstance(o, tuple) else o)) for j in (0, 2)]
+        model(ids[:-1].view(1, -1))
+        for h in hooks:
+            h.remove()
+        full = torch.cat([raw[0][0], raw[2][0]], dim=-1)
+        assert d["feats"].shape == full.shape and d["feats"].dtype == torch.bfloat16
+        assert torch.allclose(d["feats"].float(), full, rtol=2e-2, atol=2e-2)
+        if d["prompt"] not in prompts:  # self-instruct: the sampled user turn is the prompt
+            assert d["prompt"].startswith("Write")
+            assert tok.decode(ids[d["prompt_len"] - len(turn_end): d["prompt_len"]]) == "\n<|assistant|>\n"
+
+
+def test_features_are_raw_layer_outputs_like_vllm_aux_states(target):
+    """vLLM's aux hidden state j + 1 is layer j's output before any final norm; HF's
+    ``output_hidden_states`` ends with the final norm's output instead. Training on the
+    latter would feed the drafter, for the last layer, features vLLM never gives it."""
+    ids = torch.arange(10, 30).view(1, -1)
+    out = target.model(input_ids=ids, output_hidden_states=True)
+    feats = target_features(target, ids, [1, NL - 1])
+    assert torch.equal(feats[..., :H], out.hidden_states[2])  # inner layers: the same
+    last = feats[..., H:]
+    assert not torch.allclose(last, out.hidden_states[NL], atol=1e-3)
+    assert torch.allclose(target.model.norm(last), out.hidden_states[NL], atol=1e-5)
+
+
+def test_soft_labels(target):
+    """Soft-label CE: a one-hot teacher on the greedy token gives the hard CE; a teacher
+    spread over two tokens gives the matching mixture of their log-probabilities."""
+    torch.manual_seed(0)
+    data = _data(target, n=2)
+    embed = target.get_input_embeddings().weight.float()
+    for d in data:
+        n = len(d["tokens"])
+        ids = torch.full((n - 1, 2), 0, dtype=torch.int32)
+        ids[:, 0] = d["tokens"][1:]
+        logp = torch.full((n - 1, 2), float("-inf"), dtype=torch.float16)
+        logp[:, 0] = 0.0
+        d["teacher_ids"], d["teacher_logp"] = ids, logp
+    model = DraftModel(_cfg("dflash"))
+    feats, tokens, anchors, teacher = sample_batch(data, random.Random(0), 2, 3, 4, with_teacher=True)
+    assert teacher is not None and teacher[0].shape[:2] == tokens.shape
+    hidden = model(feats, tokens, anchors, embed)
+    hard, _ = block_loss(model, hidden, tokens, anchors, Head(embed))
+    soft, _ = block_loss(model, hidden, tokens, anchors, Head(embed), teacher=teacher)
+    assert torch.allclose(hard, soft, atol=1e-5)
+    t_ids, t_logp = teacher
+    t_logp = t_logp.clone()
+    t_logp[..., 0] = torch.log(torch.tensor(0.75))
+    t_logp[..., 1] = torch.where(t_ids[..., 1] >= 0, torch.log(torch.tensor(0.25)), float("-inf"))
+    mixed, _ = block_loss(model, hidden, tokens, anchors, Head(embed), teacher=(t_ids, t_logp))
+    lq = torch.log_softmax(hidden[:, :, 1:] @ embed.t(), -1)  # [b, nb, K, V]
+    idx = anchors.unsqueeze(-1) + torch.arange(1, 4)
+    lab = tokens.gather(1, idx.view(2, -1)).view(2, 3, 3)
+    w = torch.exp(-torch.arange(3.0) / 4.0).expand(2, 3, 3) * (lab >= 0)
+    ce = -(0.75 * lq.gather(-1, lab.clamp_min(0).unsqueeze(-1)).squeeze(-1) + 0.25 * lq[..., 0])
+    assert torch.allclose(mixed, (ce * w).sum() / w.sum(), atol=1e-5)

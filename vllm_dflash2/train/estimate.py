@@ -9,31 +9,36 @@ import time
 
 import torch
 
-from .data import chat_ids
-from .model import DraftModel, propose
+from .data import TappedLayers, chat_ids
+from .model import DraftModel, Head, propose
 
 
 @torch.no_grad()
 def speculative_greedy(target, draft: DraftModel, prompt_ids: list[int], max_new_tokens: int,
-                       eos_id: int | None = None) -> dict:
+                       eos_id: int | None = None, head: Head | None = None) -> dict:
     from transformers import DynamicCache
 
     cfg = draft.cfg
     k_spec = cfg.block_size - 1
     embed = target.get_input_embeddings().weight.float()
+    head = head or Head(target.get_output_embeddings().weight.float())
     layer_ids = cfg.target_layer_ids
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     cache = DynamicCache()
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[j + 1] for j in layer_ids], dim=-1).float()
+    taps = TappedLayers(target, layer_ids)  # raw layer outputs, as vLLM gives them
+    with taps:
+        out = target(input_ids=ids, past_key_values=cache, use_cache=True)
+        feats = taps.features().float()
     tokens = ids[0].tolist()
     anchor = int(out.logits[0, -1].argmax())
     generated, steps, per_pos = 1, 0, [0] * k_spec
     while generated < max_new_tokens and anchor != eos_id:
         seq = torch.tensor([tokens + [anchor]], dtype=torch.long)
-        drafts = propose(draft, feats, seq, len(tokens), embed).tolist()
+        drafts = propose(draft, feats, seq, len(tokens), embed, head).tolist()
         inp = torch.tensor([[anchor] + drafts], dtype=torch.long)
-        out = target(input_ids=inp, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        with taps:
+            out = target(input_ids=inp, past_key_values=cache, use_cache=True)
+            step_feats = taps.features()
         greedy = out.logits[0].argmax(-1).tolist()
         n = 0
         while n < k_spec and drafts[n] == greedy[n] and drafts[n] != eos_id:
@@ -42,10 +47,12 @@ def speculative_greedy(target, draft: DraftModel, prompt_ids: list[int], max_new
         for i in range(n):
             per_pos[i] += 1
         steps += 1
-        new_feats = torch.cat([out.hidden_states[j + 1][:, : n + 1] for j in layer_ids], dim=-1).float()
+        new_feats = step_feats[:, : n + 1].float()
         feats = torch.cat((feats, new_feats), dim=1)
         tokens += [anchor] + drafts[:n]
-        cache.crop(len(tokens))
+        extra = cache.get_seq_length() - len(tokens)  # the rejected drafts' entries
+        if extra > 0:
+            cache.crop(-extra)
         anchor = greedy[n]
         generated += n + 1
     return {"steps": steps, "generated": generated, "accepted_per_pos": per_pos,
@@ -53,13 +60,15 @@ def speculative_greedy(target, draft: DraftModel, prompt_ids: list[int], max_new
 
 
 @torch.no_grad()
-def estimate_tau(target, tok, draft: DraftModel, prompts: list[dict], max_new_tokens: int = 256) -> dict:
+def estimate_tau(target, tok, draft: DraftModel, prompts: list[dict], max_new_tokens: int = 256,
+                 head: Head | None = None) -> dict:
     """Mean acceptance length per prompt kind (and overall) over ``prompts``."""
     draft.eval()
     res: dict[str, dict] = {}
     t0 = time.time()
     for p in prompts:
-        r = speculative_greedy(target, draft, chat_ids(tok, p["prompt"]), max_new_tokens, tok.eos_token_id)
+        r = speculative_greedy(target, draft, chat_ids(tok, p["prompt"]), max_new_tokens, tok.eos_token_id,
+                               head)
         for key in (p.get("kind", "all"), "all"):
             acc = res.setdefault(key, {"steps": 0, "generated": 0, "accepted_per_pos": None, "prompts": 0})
             acc["steps"] += r["steps"]

@@ -11,7 +11,6 @@ Parameter names equal the native checkpoint names, so ``state_dict()`` is the ex
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,8 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.reference import grouped_conv_prepare_ref, grouped_conv_finish_ref, score_edges_ref
-
-MASK_EMBEDDING_FILENAME = "mask_embedding.pt"
 
 
 @dataclass
@@ -248,12 +245,15 @@ class DraftModel(nn.Module):
         self.cfg = cfg
         a = len(cfg.target_layer_ids)
         self.fc = nn.Linear(a * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # Training-only reparametrisation: fc reads features / feat_scale. The target's raw
+        # layer outputs span orders of magnitude across channels (outliers of 1e2-1e4), which
+        # makes fc badly conditioned; the export folds the scale into fc.weight.
+        self.register_buffer("feat_scale", torch.ones(a * cfg.target_hidden_size))
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.dflash2:
             self.candidate_selector = CandidateSelector(cfg)
-        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
         for name, p in self.named_parameters():
             if p.dim() == 2 and "kernel_projection" not in name and "codebook" not in name \
                     and "hidden_projection" not in name:
@@ -292,10 +292,6 @@ class DraftModel(nn.Module):
         copied.append("fc.weight")
         return copied
 
-    def init_mask_embedding(self, embed: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.mask_embedding.copy_(embed[self.cfg.mask_token_id].float())
-
     def forward(self, feats, tokens, anchors, embed):
         """Hidden states of every block row.
 
@@ -306,13 +302,14 @@ class DraftModel(nn.Module):
         cfg = self.cfg
         b, s, _ = feats.shape
         nb, blk = anchors.shape[1], cfg.block_size
-        ctx = self.hidden_norm(self.fc(feats))
+        ctx = self.hidden_norm(self.fc(feats / self.feat_scale))
         ctx_pos = torch.arange(s, device=feats.device).expand(b, s)
         ccos, csin = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta)
         pos = anchors.unsqueeze(-1) + torch.arange(blk, device=feats.device)  # [b, nb, B]
         anchor_tok = tokens.gather(1, anchors)  # [b, nb]
         emb_anchor = F.embedding(anchor_tok, embed).float()  # [b, nb, H]
-        x = self.mask_embedding.view(1, 1, 1, -1).expand(b, nb, blk, -1)
+        # Mask rows read the shared embedding of mask_token_id, exactly as vLLM feeds them.
+        x = embed[cfg.mask_token_id].float().view(1, 1, 1, -1).expand(b, nb, blk, -1)
         x = torch.cat((emb_anchor.unsqueeze(2), x[:, :, 1:]), dim=2).reshape(b, nb * blk, -1)
         pos = pos.reshape(b, nb * blk)
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
@@ -330,9 +327,15 @@ class DraftModel(nn.Module):
         return h.view(b, nb, blk, -1)
 
     # ---- export ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def set_feature_scale(self, scale: torch.Tensor) -> None:
+        """Per-channel feature scale (the RMS over the dataset), set before training."""
+        self.feat_scale.copy_(scale.to(self.feat_scale).clamp_min(1e-6))
+
     def export_state(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()
-                if k != "mask_embedding"}
+        state = {k: v.detach().float() for k, v in self.state_dict().items() if k != "feat_scale"}
+        state["fc.weight"] = state["fc.weight"] / self.feat_scale.float()  # fold the scale
+        return {k: v.to(dtype).contiguous() for k, v in state.items()}
 
     def save_native(self, out_dir: str | Path, dtype=torch.bfloat16, extra: dict | None = None) -> Path:
         from safetensors.torch import save_file
@@ -340,16 +343,23 @@ class DraftModel(nn.Module):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         save_file(self.export_state(dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
-        torch.save(
-            {"embedding": self.mask_embedding.detach().to(dtype).clone(),
-             "mask_token_id": self.cfg.mask_token_id},
-            out / MASK_EMBEDDING_FILENAME,
-        )
         conf = self.cfg.hf_config()
         if extra:
             conf.update(extra)
         (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         return out
+
+
+def drafter_head(target, path: str | Path) -> "Head":
+    """The head a drafter folder drafts from: the target's lm_head rows of its candidate
+    vocabulary (config key ``vllm_dflash2_candidate_vocab``), as in vLLM."""
+    from types import SimpleNamespace
+
+    from ..checkpoint import load_candidate_vocab
+
+    conf = json.loads((Path(path) / "config.json").read_text())
+    vocab = load_candidate_vocab(path, SimpleNamespace(**conf))
+    return Head(target.get_output_embeddings().weight.detach().float(), vocab)
 
 
 def load_native(path: str | Path, dtype=torch.float32) -> DraftModel:
@@ -360,42 +370,90 @@ def load_native(path: str | Path, dtype=torch.float32) -> DraftModel:
     cfg = DraftConfig(**conf["vllm_dflash2_train_config"])
     model = DraftModel(cfg)
     state = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
-    me = torch.load(path / MASK_EMBEDDING_FILENAME, map_location="cpu")
-    state["mask_embedding"] = (me["embedding"] if isinstance(me, dict) else me).to(dtype)
+    state["feat_scale"] = torch.ones_like(model.feat_scale)  # exports hold it folded into fc
     model.load_state_dict(state, strict=True)
     return model.to(dtype)
 
 
-def block_loss(model: DraftModel, hidden, tokens, anchors, embed, gamma: float = 4.0):
+class Head:
+    """The draft lm_head: the target's lm_head rows of the candidate vocabulary.
+
+    ``vocab`` None means the whole vocabulary. Restricting it to the tokens the drafter may
+    propose (``vllm_dflash2_candidate_vocab`` at inference) makes the CE, the largest
+    matmul of a training step, cost the vocabulary kept instead of the target's.
+    """
+
+    def __init__(self, weight: torch.Tensor, vocab: torch.Tensor | None = None) -> None:
+        self.vocab_size = weight.shape[0]
+        self.ids = vocab.to(torch.int64) if vocab is not None else None
+        self.weight = (weight if vocab is None else weight[self.ids]).float().contiguous()
+        # target id -> row of ``weight`` (-1: not a candidate)
+        self.local = torch.full((self.vocab_size,), -1, dtype=torch.int64)
+        self.local[self.ids if vocab is not None else torch.arange(self.vocab_size)] = \
+            torch.arange(self.weight.shape[0])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # One 2-D GEMM: a strided 4-D ``h @ W.t()`` runs as a batched matmul, ~4x slower.
+        flat = h.reshape(-1, h.shape[-1])
+        return (flat @ self.weight.t()).view(*h.shape[:-1], -1)
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self.ids is None else self.ids[index]
+
+
+def block_loss(model: DraftModel, hidden, tokens, anchors, head: Head, gamma: float = 4.0,
+               teacher: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Training loss of a batch of blocks; returns (loss, metrics dict).
 
-    hidden = model(...) [b, nb, B, H]. Labels: MASK row k predicts tokens[anchor + k].
-    Loss = position-weighted CE over the vocab (+ for DFlash2 the K-way selector CE over
-    the unary top-k, teacher-forced on the true predecessor; positions whose true token
-    or true predecessor is outside the top-k are skipped).
+    hidden = model(...) [b, nb, B, H]. Labels: MASK row k predicts tokens[anchor + k];
+    negative token ids (past a sequence's end) are ignored. Loss = position-weighted CE
+    over the head's vocabulary (labels outside it are ignored by the CE but count as
+    misses in the metrics); with ``teacher`` (soft labels from ``sample_batch``) the CE
+    is taken against the target's top-k distribution, renormalised over the head's
+    vocabulary, instead of its greedy token; + for DFlash2 the K-way selector CE over the unary top-k,
+    teacher-forced on the true predecessor (positions whose true token or true
+    predecessor is not a candidate are skipped).
     """
     cfg = model.cfg
     b, nb, blk, hsz = hidden.shape
     k_pos = blk - 1
     idx = anchors.unsqueeze(-1) + torch.arange(1, blk, device=tokens.device)
-    labels = tokens.gather(1, idx.view(b, -1)).view(b, nb, k_pos)
+    labels = tokens.gather(1, idx.view(b, -1)).view(b, nb, k_pos).long()
+    real = labels >= 0
+    local = torch.where(real, head.local[labels.clamp_min(0)], -1)
     h = hidden[:, :, 1:]
-    logits = h @ embed.t().float()  # [b, nb, K, V]
+    logits = head.logits(h)  # [b, nb, K, V']
     w = torch.exp(-torch.arange(k_pos, dtype=torch.float32, device=h.device) / gamma)
     w = (w / w.sum()).view(1, 1, -1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    ce = ce.view(b, nb, k_pos)
-    loss_ce = (ce * w).sum(-1).mean()
+    if teacher is None:
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local.reshape(-1),
+                             reduction="none", ignore_index=-1).view(b, nb, k_pos)
+        wv = w * (local >= 0)
+    else:
+        t_ids, t_logp = teacher
+        kt = t_ids.shape[-1]
+        gidx = idx.view(b, -1, 1).expand(-1, -1, kt)
+        ids = t_ids.gather(1, gidx).view(b, nb, k_pos, kt)
+        lp = t_logp.gather(1, gidx).view(b, nb, k_pos, kt)
+        loc = torch.where(ids >= 0, head.local[ids.clamp_min(0)], -1)
+        p = torch.softmax(lp.masked_fill(loc < 0, float("-inf")), dim=-1).nan_to_num(0.0)
+        logq = torch.log_softmax(logits, dim=-1).gather(-1, loc.clamp_min(0))
+        ce = -(p * logq).sum(-1)
+        wv = w * (loc >= 0).any(-1)
+    loss_ce = (ce * wv).sum() / wv.sum().clamp_min(1e-6)
     metrics = {"ce": float(loss_ce.detach())}
     with torch.no_grad():
-        metrics["top1"] = float((logits.argmax(-1) == labels).float().mean())
+        hit1 = (logits.argmax(-1) == local) & (local >= 0)
+        metrics["top1"] = float(hit1.sum() / real.sum().clamp_min(1))
+        metrics["top1_pos1"] = float(hit1[..., 0].sum() / real[..., 0].sum().clamp_min(1))
     if not cfg.dflash2:
         return loss_ce, metrics
     topk = cfg.selector_top_k
     unary, cand = logits.topk(topk, dim=-1)  # [b, nb, K, k]
+    cand = head.to_target(cand)
     n = b * nb
     cand, unary, labels_f = cand.view(n, k_pos, topk), unary.view(n, k_pos, topk), labels.view(n, k_pos)
-    anchor_tok = tokens.gather(1, anchors).view(n)
+    anchor_tok = tokens.gather(1, anchors).view(n).long()
     scores = model.candidate_selector(cand, unary, h.reshape(n, k_pos, hsz), anchor_tok)  # [n,K,k,k]
     hit = cand == labels_f.unsqueeze(-1)
     present = hit.any(-1)
@@ -408,7 +466,8 @@ def block_loss(model: DraftModel, hidden, tokens, anchors, embed, gamma: float =
     wf = w.view(1, -1).expand(n, -1) * valid
     loss_sel = (sel_ce * wf).sum() / wf.sum().clamp_min(1e-6) if bool(valid.any()) else sel_ce.sum() * 0
     with torch.no_grad():
-        metrics["recall"] = float(present.float().mean())
+        real_f = real.view(n, k_pos)
+        metrics["recall"] = float((present & real_f).sum() / real_f.sum().clamp_min(1))
         acc = (rows.argmax(-1) == tgt) & valid
         metrics["sel_acc"] = float(acc.sum() / valid.sum().clamp_min(1))
         metrics["sel"] = float(loss_sel)
@@ -416,17 +475,19 @@ def block_loss(model: DraftModel, hidden, tokens, anchors, embed, gamma: float =
 
 
 @torch.no_grad()
-def propose(model: DraftModel, feats, tokens, anchor_index: int, embed) -> torch.Tensor:
+def propose(model: DraftModel, feats, tokens, anchor_index: int, embed, head: Head | None = None) -> torch.Tensor:
     """K greedy draft tokens for one sequence (DFlash2: selector walk; DFlash: argmax)."""
     from ..ops.reference import walk_ref
 
     cfg = model.cfg
+    head = head or Head(embed)
     anchors = torch.tensor([[anchor_index]], dtype=torch.long)
     hidden = model(feats, tokens, anchors, embed)[:, :, 1:].reshape(1, cfg.block_size - 1, -1)
-    logits = hidden @ embed.t().float()
+    logits = head.logits(hidden)
     if not cfg.dflash2:
-        return logits.argmax(-1).view(-1)
+        return head.to_target(logits.argmax(-1)).view(-1)
     unary, cand = logits.topk(cfg.selector_top_k, dim=-1)
+    cand = head.to_target(cand)
     scores = model.candidate_selector(cand, unary, hidden, tokens[:, anchor_index])
     toks, _, _ = walk_ref(cand, scores, torch.zeros(1), torch.zeros(1, dtype=torch.long))
     return toks.view(-1)
@@ -436,4 +497,5 @@ def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["DraftConfig", "DraftModel", "block_loss", "propose", "load_native", "param_count", "math"]
+__all__ = ["DraftConfig", "DraftModel", "Head", "block_loss", "drafter_head", "propose", "load_native",
+           "param_count"]
