@@ -218,6 +218,7 @@ def main():
     args = parser.parse_args()
 
     from vllm_dflash2 import assets
+    from vllm_dflash2.profiling import benchmark_env
 
     args.target = args.target or str(assets.ensure_target())
     args.drafter = args.drafter or str(assets.default_drafter())
@@ -242,7 +243,7 @@ def main():
     config = {k: v for k, v in vars(args).items() if k not in ("target", "drafter", "dflash_drafter", "out")}
     config |= {"target": Path(args.target).name, "drafter": Path(args.drafter).name,
                "dflash_drafter": Path(args.dflash_drafter).name if args.dflash_drafter else None,
-               "cpus": os.cpu_count(), "prompts": len(prompts)}
+               "cpus": os.cpu_count(), "prompts": len(prompts), "env": benchmark_env()}
     out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
     table = markdown(rows, methods)
     out.with_suffix(".md").write_text(table)

@@ -128,7 +128,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
     args = parser.parse_args()
 
-    from vllm_dflash2 import assets
+    from vllm_dflash2 import assets, profiling
 
     target = args.target or str(assets.ensure_target())
     drafter = args.drafter or str(assets.default_drafter())
@@ -137,7 +137,7 @@ def main():
              for k in args.k}
     result = {
         "config": vars(args) | {"target": Path(target).name, "drafter": Path(drafter).name,
-                                "threads": os.cpu_count()},
+                                "threads": os.cpu_count(), "env": profiling.benchmark_env()},
         "no_spec": base | {"split_ms": split(base)},
         "dflash2": {str(k): r | {"split_ms": split(r),
                                  "step_cost_ratio": r["ms_per_step"] / base["ms_per_step"],

@@ -22,13 +22,21 @@ PROMPTS = [
 ]
 
 
-def run(target, drafter, prompts, max_tokens, k):
+def default_dtype() -> str:
+    """bf16 only where the CPU computes it natively: elsewhere vLLM's bf16 GEMMs convert
+    on the fly and verifying 1 + K rows costs several plain steps (see the README)."""
+    import torch
+
+    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+
+
+def run(target, drafter, prompts, max_tokens, k, dtype):
     from vllm import LLM, SamplingParams
 
     spec = None
     if drafter is not None:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
-    llm = LLM(model=str(target), dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+    llm = LLM(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.5, seed=0, speculative_config=spec, disable_log_stats=False)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -55,7 +63,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 with native bf16, else float32")
     args = parser.parse_args()
+    dtype = args.dtype or default_dtype()
 
     from vllm_dflash2 import assets
     from vllm_dflash2.testing import build_tiny_drafter
@@ -68,8 +78,10 @@ def main():
         print(f"no shipped drafter in this checkout: using a random DFlash2 drafter ({drafter})")
     print(f"target={target}\ndrafter={drafter}")
 
-    base_tokens, base_tps, _, _ = run(target, None, PROMPTS, args.max_tokens, args.num_speculative_tokens)
-    spec_tokens, spec_tps, stats, outs = run(target, drafter, PROMPTS, args.max_tokens, args.num_speculative_tokens)
+    print(f"dtype={dtype}")
+    k = args.num_speculative_tokens
+    base_tokens, base_tps, _, _ = run(target, None, PROMPTS, args.max_tokens, k, dtype)
+    spec_tokens, spec_tps, stats, outs = run(target, drafter, PROMPTS, args.max_tokens, k, dtype)
 
     drafts = stats.get("vllm:spec_decode_num_drafts", 0)
     accepted = stats.get("vllm:spec_decode_num_accepted_tokens", 0)

@@ -123,3 +123,14 @@ def torch_profile_stop(worker, row_limit: int = 25) -> str:
     prof, _TORCH_PROFILER = _TORCH_PROFILER, None
     prof.__exit__(None, None, None)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+
+
+BENCH_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_DFLASH2_ADAPTIVE",
+             "VLLM_CPU_KVCACHE_SPACE")
+
+
+def benchmark_env() -> dict[str, str | None]:
+    """The environment settings a CPU benchmark's numbers depend on, for its JSON."""
+    import os
+
+    return {k: os.environ.get(k) for k in BENCH_ENV}
