@@ -211,15 +211,16 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="batches per point (offline), "
                         "requests per concurrency slot (served)")
-    parser.add_argument("--dtype", default="float32",
-                        help="float32 is faster than bfloat16 on CPUs without native bf16 "
-                             "GEMM (AVX2): see benchmarks/profile_step.py")
+    parser.add_argument("--dtype", default=None,
+                        help="default: bfloat16 with native bf16 GEMM, else float32 (faster on "
+                             "AVX2: see benchmarks/profile_step.py)")
     parser.add_argument("--out", default="benchmarks/results/e2e_cpu")
     args = parser.parse_args()
 
     from vllm_dflash2 import assets
-    from vllm_dflash2.profiling import benchmark_env
+    from vllm_dflash2.profiling import benchmark_env, default_dtype
 
+    args.dtype = args.dtype or default_dtype()
     args.target = args.target or str(assets.ensure_target())
     args.drafter = args.drafter or str(assets.default_drafter())
     methods = list(args.methods)

@@ -122,7 +122,7 @@ def main():
     parser.add_argument("--target")
     parser.add_argument("--drafter")
     parser.add_argument("-k", type=int, nargs="+", default=[7])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 with native bf16, else float32")
     parser.add_argument("--compile", action="store_true", help="vLLM's torch.compile (default: eager)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
@@ -130,6 +130,7 @@ def main():
 
     from vllm_dflash2 import assets, profiling
 
+    args.dtype = args.dtype or profiling.default_dtype()
     target = args.target or str(assets.ensure_target())
     drafter = args.drafter or str(assets.default_drafter())
     base = profile(target, None, 0, args.dtype, args.compile, args.max_tokens)

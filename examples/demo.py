@@ -22,14 +22,6 @@ PROMPTS = [
 ]
 
 
-def default_dtype() -> str:
-    """bf16 only where the CPU computes it natively: elsewhere vLLM's bf16 GEMMs convert
-    on the fly and verifying 1 + K rows costs several plain steps (see the README)."""
-    import torch
-
-    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
-
-
 def run(target, drafter, prompts, max_tokens, k, dtype):
     from vllm import LLM, SamplingParams
 
@@ -65,9 +57,10 @@ def main():
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 with native bf16, else float32")
     args = parser.parse_args()
-    dtype = args.dtype or default_dtype()
-
     from vllm_dflash2 import assets
+    from vllm_dflash2.profiling import default_dtype
+
+    dtype = args.dtype or default_dtype()
     from vllm_dflash2.testing import build_tiny_drafter
 
     target = assets.ensure_target()

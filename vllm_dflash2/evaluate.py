@@ -72,7 +72,7 @@ def _summarize(d: dict) -> dict:
 
 
 def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_tokens: int,
-             temperatures: list[float], dtype: str, seed: int) -> dict:
+             temperatures: list[float], dtype: str, seed: int, concurrency: int = 1) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Acceptance is measured at the K asked for: adaptive speculation would draft fewer.
     os.environ.setdefault("VLLM_DFLASH2_ADAPTIVE", "0")
@@ -96,11 +96,12 @@ def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_
             before = _counters(llm) if drafter else {}
             t0 = time.time()
             ntok = 0
-            for text in batch:  # batch 1, as the acceptance floors are stated
-                outs = llm.generate([text], sp, use_tqdm=False)
+            for i in range(0, len(batch), concurrency):  # greedy tau does not depend on it
+                outs = llm.generate(batch[i:i + concurrency], sp, use_tqdm=False)
                 ntok += sum(len(o.outputs[0].token_ids) for o in outs)
             dt = time.time() - t0
-            entry = {"prompts": len(batch), "tokens": ntok, "seconds": dt, "tokens_per_s": ntok / dt}
+            entry = {"prompts": len(batch), "concurrency": concurrency, "tokens": ntok, "seconds": dt,
+                     "tokens_per_s": ntok / dt}
             if drafter:
                 entry.update(_summarize(_delta(_counters(llm), before)))
             res[f"T{temp:g}/{kind}"] = entry
@@ -137,20 +138,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 with native bf16 GEMM, else float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="prompts generated together (tokens/s depends on it, greedy tau does not)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without speculation")
     p.add_argument("--offline", action="store_true", help="pure-torch estimator instead of vLLM")
     p.add_argument("--out", default="benchmarks/results/eval.json")
     args = p.parse_args(argv)
+    for name in ("concurrency", "num_speculative_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
 
     from .assets import default_drafter, ensure_target
+    from .profiling import default_dtype
+
+    args.dtype = args.dtype or default_dtype()
 
     target = args.target or str(ensure_target())
     drafters = args.drafter or [str(default_drafter())]
     prompts = _load_prompts(args.prompts)
     temps = [float(t) for t in args.temperatures.split(",")]
-    result = {"target": target, "k": args.num_speculative_tokens, "max_tokens": args.max_tokens,
+    result = {"target": Path(target).name, "k": args.num_speculative_tokens, "max_tokens": args.max_tokens,
               "prompts": args.prompts or "examples/prompts (built-in held-out set)", "spec": {}}
     if args.offline:
         import torch
@@ -169,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not args.no_baseline:
             result["baseline"] = run_vllm(target, None, prompts, args.num_speculative_tokens,
-                                          args.max_tokens, temps, args.dtype, args.seed)
+                                          args.max_tokens, temps, args.dtype, args.seed, args.concurrency)
         for d in drafters:
             result["spec"][Path(d).name] = run_vllm(target, d, prompts, args.num_speculative_tokens,
-                                                    args.max_tokens, temps, args.dtype, args.seed)
+                                                    args.max_tokens, temps, args.dtype, args.seed,
+                                                    args.concurrency)
             print(Path(d).name, json.dumps({k: (v.get("tau"), round(v["tokens_per_s"], 2))
                                             for k, v in result["spec"][Path(d).name].items()}))
     out = Path(args.out)

@@ -129,6 +129,15 @@ BENCH_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_
              "VLLM_CPU_KVCACHE_SPACE")
 
 
+def default_dtype() -> str:
+    """The CPU backend's fastest dtype here: bf16 only where the CPU computes it natively.
+    Elsewhere (AVX2) vLLM's bf16 GEMMs convert on the fly, and verifying 1 + K rows costs
+    several plain decode steps (README, "Speed on the CPU backend")."""
+    import torch
+
+    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+
+
 def benchmark_env() -> dict[str, str | None]:
     """The environment settings a CPU benchmark's numbers depend on, for its JSON."""
     import os

@@ -17,7 +17,18 @@ def _tau_table(variants: dict) -> str:
     return "\n".join(rows)
 
 
-def write_card(dest: str | Path, summary: dict, variant: str) -> Path:
+def _vllm_table(evaluation: dict) -> str:
+    """Rows of a ``vllm-dflash2 eval`` JSON: tau per drafter, temperature and prompt kind."""
+    rows = ["| drafter | run | tau | per-position acceptance | tokens/s |", "|---|---|---|---|---|"]
+    for name, runs in evaluation.get("spec", {}).items():
+        for key, e in runs.items():
+            per = ", ".join(f"{a:.2f}" for a in e.get("acceptance_per_pos", []))
+            rows.append(f"| {name} | {key} | {e['tau']:.3f} | {per} | {e['tokens_per_s']:.1f} |")
+    return "\n".join(rows)
+
+
+def write_card(dest: str | Path, summary: dict, variant: str, evaluation: dict | None = None,
+               eval_command: str = "") -> Path:
     dest = Path(dest)
     conf = json.loads((dest / "config.json").read_text())
     dc = conf["dflash_config"]
@@ -66,10 +77,43 @@ Held-out eval prompts (`examples/prompts/`) are hand-written and never enter tra
 Data generation {data_min:.1f} min + training {train_min:.1f} min = {data_min + train_min:.1f} min on 2 CPU
 cores; {v['steps']} steps. Last-20-step averages:
 `{json.dumps({k: round(x, 3) for k, x in v['final_metrics_avg20'].items()})}`.
-
+"""
+    if any(x.get("offline_tau") for x in summary["variants"].values()):
+        text += f"""
 ## Acceptance (offline estimator: HF target + torch drafter, greedy, K = {dc['block_size'] - 1}, held-out prompts)
 
 {_tau_table(summary['variants'])}
 """
+    if evaluation:
+        text += f"""
+## Acceptance in vLLM (V1 runner, CPU backend, K = {evaluation.get('k')}, {evaluation.get('max_tokens')} new tokens, held-out prompts)
+
+```
+{eval_command}
+```
+
+{_vllm_table(evaluation)}
+"""
     (dest / "README.md").write_text(text)
     return dest / "README.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite a drafter's card: python -m vllm_dflash2.train.card DIR SUMMARY [EVAL_JSON]."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("drafter")
+    ap.add_argument("summary", help="summary.json of the training run")
+    ap.add_argument("evaluation", nargs="?", help="JSON written by vllm-dflash2 eval")
+    ap.add_argument("--variant", default="dflash2")
+    ap.add_argument("--eval-command", default="")
+    args = ap.parse_args(argv)
+    ev = json.loads(Path(args.evaluation).read_text()) if args.evaluation else None
+    print(write_card(args.drafter, json.loads(Path(args.summary).read_text()), args.variant, ev,
+                     args.eval_command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
