@@ -13,8 +13,11 @@ held-out prompts (``examples/prompts``), every request ``--max-tokens`` long
 
     python benchmarks/bench_e2e.py --dflash-drafter DIR [--mode offline|served|both]
 
-Writes benchmarks/results/e2e_cpu.json, e2e_cpu.png and e2e_cpu.md (the README table).
-Ratios are what to read: every number in one file comes from one run on one machine.
+All methods' engines (servers) are up together and every point is measured method after
+method, round after round (order reversed every other round), so a drifting machine
+shifts all methods of a point alike. Writes benchmarks/results/e2e_cpu.json, e2e_cpu.png
+and e2e_cpu.md (the README table). Ratios are what to read: every number in one file
+comes from one run on one machine.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+# Every method's engine is up at once: 1 GiB of KV each holds 16 requests of 1024 tokens.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["no_spec", "ngram", "dflash_v1", "dflash2", "dflash2_adaptive"]
@@ -55,86 +59,127 @@ def load_prompts() -> list[str]:
     return [p["prompt"] for p in held_out_prompts()]
 
 
-# -- offline -------------------------------------------------------------------
-def run_offline(method: str, args, prompts: list[str]) -> list[dict]:
-    from vllm import LLM, SamplingParams
+# -- measuring -----------------------------------------------------------------
+# Every method's engine (or server) is started first; then each point (temperature,
+# concurrency) is measured method after method, round after round, the order reversed
+# every other round. On a shared, drifting machine the methods of one point are then
+# measured minutes apart at most, not a whole method's run apart. Idle vLLM engines sleep.
+def _points(args):
+    for temperature in args.temperatures:
+        for c in args.concurrency:
+            for r in range(args.rounds):
+                yield temperature, c, r
 
-    from vllm_dflash2.testing import spec_decode_counts
+
+def _order(methods: list[str], r: int) -> list[str]:
+    return methods if r % 2 == 0 else methods[::-1]
+
+
+def _row(mode, method, temperature, c, tokens, seconds, tpots, drafts, accepted, failed=0):
+    return {"mode": mode, "method": method, "temperature": temperature, "concurrency": c,
+            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tpot_ms": sum(tpots) / len(tpots),
+            "tau": 1 + accepted / drafts if drafts else None, "failed": failed}
+
+
+# -- offline -------------------------------------------------------------------
+def offline_engine(method: str, args, chats):
+    from vllm import LLM, SamplingParams
 
     spec, adaptive = spec_config(method, args)
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive  # read by the worker it spawns
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
-              gpu_memory_utilization=0.5, seed=0, speculative_config=spec,
+              gpu_memory_utilization=0.3, seed=0, speculative_config=spec,
               max_num_seqs=max(args.concurrency), disable_log_stats=False)
-    chats = [[{"role": "user", "content": p}] for p in prompts]
     llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    rows = []
-    for temperature in args.temperatures:
-        for c in args.concurrency:
-            batch = [chats[i % len(chats)] for i in range(c)]
-            # Unseeded, like served traffic: adaptive speculation keeps the full K while
-            # a seeded request is in the batch (seeded outputs must reproduce).
-            params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                     ignore_eos=True) for i in range(c)]
+    return llm
+
+
+def run_offline(methods: list[str], args, prompts: list[str]) -> list[dict]:
+    from vllm import SamplingParams
+
+    from vllm_dflash2.testing import spec_decode_counts
+
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    engines = {m: offline_engine(m, args, chats) for m in methods}
+    acc: dict = {}
+    for temperature, c, r in _points(args):
+        batch = [chats[i % len(chats)] for i in range(c)]
+        # Unseeded, like served traffic: adaptive speculation keeps the full K while
+        # a seeded request is in the batch (seeded outputs must reproduce).
+        params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
+                  for _ in range(c)]
+        for m in _order(methods, r):
+            llm = engines[m]
             d0, a0 = spec_decode_counts(llm)
-            elapsed = tokens = 0.0
-            for _ in range(args.rounds):
-                start = time.perf_counter()
-                outs = llm.chat(batch, params, use_tqdm=False)
-                elapsed += time.perf_counter() - start
-                tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            start = time.perf_counter()
+            outs = llm.chat(batch, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
             d1, a1 = spec_decode_counts(llm)
-            rows.append({
-                "mode": "offline", "method": method, "temperature": temperature,
-                "concurrency": c, "tokens": tokens, "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed,
-                "tpot_ms": elapsed / (args.rounds * args.max_tokens) * 1e3,
-                "tau": 1 + (a1 - a0) / (d1 - d0) if d1 > d0 else None,
-                "failed": 0,
-            })
-            print(json.dumps(rows[-1]), flush=True)
-    del llm
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0])
+            a[0] += tokens
+            a[1] += elapsed
+            a[2].append(elapsed / args.max_tokens * 1e3)
+            a[3] += d1 - d0
+            a[4] += a1 - a0
+            print(json.dumps({"offline": m, "T": temperature, "c": c, "round": r,
+                              "tok_s": round(tokens / elapsed, 2)}), flush=True)
+    del engines
     gc.collect()
-    return rows
+    return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()]
 
 
 # -- served --------------------------------------------------------------------
-def run_served(method: str, args, prompt_file: Path, workdir: Path) -> list[dict]:
+def _bench_serve(url, args, prompt_file, workdir, name, c, num_prompts, temperature, max_tokens):
+    cli = os.path.join(os.path.dirname(sys.executable), "vllm-dflash2")  # the venv's, even unactivated
+    cmd = [cli, "bench", "serve", "--backend", "openai", "--base-url", url,
+           "--model", "target", "--tokenizer", args.target, "--dataset-name", "custom",
+           "--dataset-path", str(prompt_file), "--custom-output-len", str(max_tokens),
+           "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
+           "--temperature", str(temperature), "--seed", "0", "--save-result",
+           "--result-dir", str(workdir), "--result-filename", name]
+    with open(workdir / f"bench_{name}.log", "w") as log:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=log)
+    return json.loads((workdir / name).read_text())
+
+
+def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> list[dict]:
+    from contextlib import ExitStack
+
     from vllm_dflash2.testing import Server
 
-    spec, adaptive = spec_config(method, args)
-    serve_args = ["--served-model-name", "target", "--dtype", args.dtype, "--enforce-eager",
-                  "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
-                  "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
-    if spec is not None:
-        serve_args += ["--speculative-config", json.dumps(spec)]
-    rows = []
-    with Server(args.target, serve_args, workdir / f"server_{method}.log",
-                env={"VLLM_DFLASH2_ADAPTIVE": adaptive}, timeout=600) as server:
-        url = server.base
-        for temperature in args.temperatures:
-            for c in args.concurrency:
-                name = f"{method}_t{temperature}_c{c}.json"
-                bench = ["vllm-dflash2", "bench", "serve", "--backend", "openai",
-                         "--base-url", url, "--model", "target", "--tokenizer", args.target,
-                         "--dataset-name", "custom", "--dataset-path", str(prompt_file),
-                         "--custom-output-len", str(args.max_tokens), "--ignore-eos",
-                         "--num-prompts", str(c * args.rounds), "--max-concurrency", str(c),
-                         "--temperature", str(temperature), "--seed", "0",
-                         "--save-result", "--result-dir", str(workdir), "--result-filename", name]
-                subprocess.run(bench, check=True, stdout=subprocess.DEVNULL,
-                               stderr=open(workdir / f"bench_{name}.log", "w"))
-                res = json.loads((workdir / name).read_text())
-                rows.append({
-                    "mode": "served", "method": method, "temperature": temperature,
-                    "concurrency": c, "tokens": res["total_output_tokens"],
-                    "seconds": res["duration"], "tokens_per_s": res["output_throughput"],
-                    "tpot_ms": res["mean_tpot_ms"],
-                    "tau": res.get("spec_decode_acceptance_length"),
-                    "failed": res.get("failed", 0),
-                })
-                print(json.dumps(rows[-1]), flush=True)
-    return rows
+    acc: dict = {}
+    with ExitStack() as stack:
+        urls = {}
+        for m in methods:
+            spec, adaptive = spec_config(m, args)
+            serve_args = ["--served-model-name", "target", "--dtype", args.dtype, "--enforce-eager",
+                          "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
+                          "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
+            if spec is not None:
+                serve_args += ["--speculative-config", json.dumps(spec)]
+            server = stack.enter_context(Server(args.target, serve_args, workdir / f"server_{m}.log",
+                                                env={"VLLM_DFLASH2_ADAPTIVE": adaptive}, timeout=600))
+            urls[m] = server.base
+            _bench_serve(server.base, args, prompt_file, workdir, f"warmup_{m}.json", 2, 2, 0.0, 16)
+        for temperature, c, r in _points(args):
+            for m in _order(methods, r):
+                name = f"{m}_t{temperature}_c{c}_r{r}.json"
+                res = _bench_serve(urls[m], args, prompt_file, workdir, name, c, c, temperature,
+                                   args.max_tokens)
+                drafts = res.get("spec_decode_num_drafts") or 0
+                tau = res.get("spec_decode_acceptance_length")
+                a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0.0, 0])
+                a[0] += res["total_output_tokens"]
+                a[1] += res["duration"]
+                a[2].append(res["mean_tpot_ms"])
+                a[3] += drafts
+                a[4] += (tau - 1) * drafts if tau and drafts else 0.0
+                a[5] += res.get("failed", 0)
+                print(json.dumps({"served": m, "T": temperature, "c": c, "round": r,
+                                  "tok_s": round(res["output_throughput"], 2)}), flush=True)
+    return [_row("served", m, t, c, *a) for (m, t, c), a in acc.items()]
 
 
 # -- report --------------------------------------------------------------------
@@ -155,7 +200,7 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
             lines.append(f"\n{mode}, temperature {t}: tokens/s (speedup vs no_spec, tau)\n")
             lines.append("| method | " + " | ".join(f"c={c}" for c in concs) + " |")
             lines.append("|---|" + "---|" * len(concs))
-            for m in methods:
+            for m in [m for m in methods if any(x["method"] == m for x in sel)]:
                 cells = []
                 for c in concs:
                     r = next((x for x in sel if x["method"] == m and x["concurrency"] == c), None)
@@ -209,8 +254,11 @@ def main():
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("-k", type=int, default=7)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="batches per point (offline), "
-                        "requests per concurrency slot (served)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds per point; each round is c requests of every method")
+    parser.add_argument("--served-methods", nargs="+", choices=METHODS, default=None,
+                        help="methods for the served mode (default: --methods); every server "
+                             "stays up for the whole run, so memory bounds how many")
     parser.add_argument("--dtype", default=None,
                         help="default: bfloat16 with native bf16 GEMM, else float32 (faster on "
                              "AVX2: see benchmarks/profile_step.py)")
@@ -233,11 +281,11 @@ def main():
         workdir = Path(tmp)
         prompt_file = workdir / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        for method in methods:
-            if args.mode in ("offline", "both"):
-                rows += run_offline(method, args, prompts)
-            if args.mode in ("served", "both"):
-                rows += run_served(method, args, prompt_file, workdir)
+        if args.mode in ("offline", "both"):
+            rows += run_offline(methods, args, prompts)
+        if args.mode in ("served", "both"):
+            served = [m for m in (args.served_methods or methods) if m in methods]
+            rows += run_served(served, args, prompt_file, workdir)
     add_speedups(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -67,13 +67,14 @@ def rss_kib(pid: int) -> dict:
     per = {}
     for p in process_tree(pid):
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    per[p] = int(line.split()[1])
-        except OSError:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines()
+                          if ":" in line)
+            # vLLM names its processes (API server, EngineCore, Worker): which one grows matters.
+            per[f"{status['Name'].strip()}:{p}"] = int(status["VmRSS"].split()[0])
+        except (OSError, KeyError, ValueError):
             pass
     return {"total_kib": sum(per.values()), "processes": len(per),
-            "per_process_kib": sorted(per.values(), reverse=True)}
+            "per_process_kib": dict(sorted(per.items(), key=lambda kv: -kv[1]))}
 
 
 def start_server(target, drafter, k, log_path, max_model_len):
@@ -192,6 +193,14 @@ def main() -> int:
                     "rss_after_kib", "server_alive")}), flush=True)
         report["server_alive_at_end"] = proc.poll() is None and server.healthy()
         report["server_rss_at_end"] = rss_kib(proc.pid)
+        # Memory check: RSS at the end of each round; the first round warms caches (oneDNN
+        # primitives per shape, allocator pools), later identical rounds must not add to it.
+        ends = [r["rss_after_kib"] for r in report["runs"] if r["concurrency"] == args.concurrency[-1]]
+        report["rss_at_round_end_kib"] = ends
+        if len(ends) >= 2:
+            growth = ends[-1] - ends[-2]
+            report["rss_growth_last_round_kib"] = growth
+            report["rss_growth_last_round_frac"] = growth / ends[-2]
         report["total_failed_requests"] = total_failed
     finally:
         server.stop()

@@ -313,38 +313,54 @@ def test_soft_labels(target):
     assert torch.allclose(mixed, (ce * w).sum() / w.sum(), atol=1e-5)
 
 
-def test_train_command_exports_resumes_and_trains_the_twin_on_the_same_batches(tmp_path, capsys):
-    """``vllm-dflash2 train`` end to end on a tiny target: dataset, checkpoint, export that
-    passes the drafter checks, card; rerunning with more steps resumes; the plain DFlash twin
-    is a second run on the same folder and lands in the same summary."""
+def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, monkeypatch):
+    """``vllm-dflash2 train`` end to end on a tiny target: dataset, checkpoints, an export that
+    passes the drafter checks, a card. A run interrupted after a checkpoint and rerun with the
+    same command resumes and ends exactly where an uninterrupted run ends (batches depend
+    only on the seed and the step); the plain DFlash twin lands in the same summary."""
     from vllm_dflash2.testing import build_tiny_target
-    from vllm_dflash2.train.cli import main
+    from vllm_dflash2.train import cli
     from vllm_dflash2.validation import target_spec_from_dir, validate_drafter
 
     tpath = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=4, seed=2)
-    out, d2, d1 = tmp_path / "work", tmp_path / "d2", tmp_path / "d1"
-    common = ["--target", str(tpath), "--out", str(out), "--num-prompts", "6", "--max-new-tokens", "12",
+    out, ref, d2, d1 = tmp_path / "work", tmp_path / "ref", tmp_path / "d2", tmp_path / "d1"
+    common = ["--target", str(tpath), "--num-prompts", "6", "--max-new-tokens", "12",
               "--gen-batch-size", "3", "--layers", "1", "--intermediate-size", "64", "--block-size", "4",
               "--conv-group-size", "8", "--selector-rank", "4", "--target-layer-ids", "0,3",
               "--mask-token-id", "5", "--candidate-vocab", "0", "--batch-seqs", "2",
-              "--blocks-per-seq", "2", "--ckpt-every", "2", "--threads", "1", "--no-progress"]
-    assert main(common + ["--max-steps", "2", "--export", str(d2)]) == 0
-    assert (out / "dataset.pt").is_file() and (out / "ckpt_dflash2.pt").is_file()
-    assert main(common + ["--max-steps", "4", "--export", str(d2)]) == 0
-    assert "resumed dflash2 at step 2" in capsys.readouterr().out
-    assert main(common + ["--max-steps", "4", "--variants", "dflash", "--export-dflash", str(d1)]) == 0
+              "--blocks-per-seq", "2", "--ckpt-every", "2", "--threads", "1", "--no-progress",
+              "--max-steps", "4"]
 
+    real_loss, calls = cli.block_loss, []
+
+    def interrupted(*a, **k):  # a crash in step 3, after the step-2 checkpoint
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(cli, "block_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(common + ["--out", str(out), "--export", str(d2)])
+    monkeypatch.setattr(cli, "block_loss", real_loss)
+    assert (out / "dataset.pt").is_file() and (out / "ckpt_dflash2.pt").is_file()
+    assert cli.main(common + ["--out", str(out), "--export", str(d2)]) == 0
+    assert "resumed dflash2 at step 2" in capsys.readouterr().out
+    assert cli.main(common + ["--out", str(ref), "--dataset", str(out / "dataset.pt")]) == 0
+    resumed = json.loads((out / "history_dflash2.json").read_text())
+    straight = json.loads((ref / "history_dflash2.json").read_text())
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in straight], rel=1e-4)
+
+    assert cli.main(common + ["--out", str(out), "--variants", "dflash", "--export-dflash", str(d1)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert {v: summary["variants"][v]["steps"] for v in ("dflash2", "dflash")} == {"dflash2": 4, "dflash": 4}
     spec = target_spec_from_dir(tpath)
-    for dest, arch in ((d2, "DFlash2DraftModel"), (d1, "DFlashDraftModel")):
+    for dest, arch, variant in ((d2, "DFlash2DraftModel", "dflash2"), (d1, "DFlashDraftModel", "dflash")):
         conf = json.loads((dest / "config.json").read_text())
         assert conf["architectures"] == [arch]
-        if arch == "DFlash2DraftModel":  # the checks are DFlash2's; upstream loads plain DFlash
+        if variant == "dflash2":  # the checks are DFlash2's; upstream loads plain DFlash
             assert validate_drafter(dest, spec, 3) == []
-        assert load_native(dest).cfg.variant == ("dflash2" if dest == d2 else "dflash")
+        assert load_native(dest).cfg.variant == variant
         card = (dest / "README.md").read_text()
-        assert "vllm-dflash2 train" in card and str(tmp_path) not in card.split("```")[0]
-    h2 = json.loads((out / "history_dflash2.json").read_text())
-    h1 = json.loads((out / "history_dflash.json").read_text())
-    assert [h["step"] for h in h2] == [h["step"] for h in h1] == [1, 2, 3, 4]
+        assert f"vllm-dflash2 train --target {tpath}" in card and "--max-steps 4" in card

@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=("target", "random"), default="target",
                    help="target: copy the target's last layers, final norm and deepest feature")
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--time-budget-min", type=float, default=30.0,
-                   help="wall clock of each variant's training loop")
+    p.add_argument("--time-budget-min", type=float, default=None,
+                   help="wall clock of each variant's training loop (default: 30 without "
+                        "--max-steps, none with it: a step count alone makes a run reproducible)")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts for the final offline tau")
     p.add_argument("--eval-new-tokens", type=int, default=256)
@@ -229,10 +230,9 @@ def train_variant(args, variant: str, cfg: DraftConfig, target, data, head: Head
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": st}, f"{ck}.tmp")
         Path(f"{ck}.tmp").replace(ck)
 
-    budget = args.time_budget_min * 60.0
     max_steps = args.max_steps
-    # Batches depend only on the seed and the step: every variant sees the same ones.
-    rng = random.Random(f"{args.seed}:{st['step']}")
+    minutes = args.time_budget_min if args.time_budget_min is not None else (None if max_steps else 30.0)
+    budget = math.inf if minutes is None else minutes * 60.0
     bar = tqdm(desc=f"train {variant}", disable=args.no_progress, mininterval=5, total=max_steps)
     t_start = time.time() - st["elapsed"]
     while True:
@@ -240,10 +240,13 @@ def train_variant(args, variant: str, cfg: DraftConfig, target, data, head: Head
         step = st["step"]
         if elapsed > budget or (max_steps is not None and step >= max_steps):
             break
+        # Each batch depends only on the seed and the step: every variant sees the same
+        # batches, and a resumed run the ones an uninterrupted run would have seen.
+        rng = random.Random(f"{args.seed}:{step}")
         feats, tokens, anchors, teacher = sample_batch(data, rng, args.batch_seqs, args.blocks_per_seq,
                                                        cfg.block_size, with_teacher=True)
         teacher = teacher if args.soft_labels else None
-        frac = elapsed / budget if max_steps is None else step / max_steps
+        frac = step / max_steps if max_steps else elapsed / budget
         lr = _lr(args, step, frac)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -312,7 +315,7 @@ def train(args) -> dict:
         last = st["history"][-20:]
         avg = {k: sum(h[k] for h in last) / len(last) for k in last[0] if k not in ("step", "t")} if last else {}
         # Names, not machine paths: the summary is committed next to the shipped drafter.
-        entry = {"command": " ".join(["vllm-dflash2 train", *sys.argv[1:]]), "steps": st["step"],
+        entry = {"command": " ".join(["vllm-dflash2 train", *args.argv]), "steps": st["step"],
                  "train_seconds": st["elapsed"], "params": param_count(model),
                  "final_metrics_avg20": avg}
         if args.eval_prompts:
@@ -334,7 +337,9 @@ def train(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # recorded in the summary and the card: how to reproduce the run
     train(args)
     return 0
 
