@@ -68,6 +68,26 @@ def test_batch_sizes_are_decided_separately():
     assert ctl.choose(1, K) > 0
 
 
+def test_marginal_gain_and_cost_spikes_keep_plain_decoding():
+    # Drafting one token gains ~5% on paper (below min_gain), and every 5th step the
+    # machine stalls (3x): neither may lure the controller away from plain decoding.
+    ctl = AdaptiveSpeculation(K)
+    n = iter(range(10**6))
+    chosen = _feed(ctl, 16, lambda k: (0.1 + 0.004 * k) * (3 if next(n) % 5 == 0 else 1),
+                   accept_prob=0.1)
+    tail = chosen[len(chosen) // 2:]
+    assert tail.count(0) >= 0.9 * len(tail)  # the rest is exploration of k = 1
+    assert ctl.estimated_cost(16, 0) == pytest.approx(0.1)  # median, not the spikes
+
+
+def test_a_clear_gain_is_taken_despite_cost_spikes():
+    ctl = AdaptiveSpeculation(K)
+    n = iter(range(10**6))
+    chosen = _feed(ctl, 1, lambda k: (0.07 + 0.004 * k) * (3 if next(n) % 5 == 0 else 1),
+                   accept_prob=0.6)
+    assert _mode(chosen) > 0
+
+
 def test_idle_gaps_are_not_step_costs():
     ctl = AdaptiveSpeculation(K)
     ctl.observe_step(1, 3, 0.1)

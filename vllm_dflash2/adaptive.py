@@ -8,6 +8,12 @@ E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at th
 current batch size it is switched off. Every ``explore_every`` steps of a batch
 size it tries a neighbour of its choice so stale estimates get refreshed.
 
+Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
+median of the last ``window`` measurements of that (batch bucket, k), and k > 0
+must be estimated ``min_gain`` faster than plain decoding to be chosen: a marginal
+estimated gain is within the noise, and losing to plain decoding is the failure
+this controller exists to prevent.
+
 Pure Python on purpose: it runs once per step on the host and is unit-tested
 without an engine. ``DFlash2Proposer`` feeds it (``VLLM_DFLASH2_ADAPTIVE``; default on
 for the CPU backend, where it is measured, off on GPUs: reading the accepted counts
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
+from statistics import median
 
 ENV = "VLLM_DFLASH2_ADAPTIVE"
 
@@ -37,23 +45,24 @@ def bucket(batch_size: int) -> int:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, max_k: int, explore_every: int = 16, time_ema: float = 0.2,
+    def __init__(self, max_k: int, explore_every: int = 16, window: int = 9,
                  accept_decay: float = 0.99, prior_accept: float = 0.7,
-                 idle_factor: float = 4.0):
+                 idle_factor: float = 4.0, min_gain: float = 0.1):
         if max_k < 1:
             raise ValueError(f"max_k={max_k}: expected >= 1")
         self.max_k = max_k
         self.explore_every = explore_every
-        self.time_ema = time_ema
+        self.window = window
         self.accept_decay = accept_decay
         self.idle_factor = idle_factor
+        self.min_gain = min_gain
         # P(first i drafts accepted), i = 1..max_k, as decayed hit/trial counts (a memory
         # of ~1/(1-decay) steps) plus one pseudo-trial of an optimistic prior, so that a
         # position is tried before it is written off and one unlucky step cannot.
         self.prior = [prior_accept**i for i in range(1, max_k + 1)]
         self.hits = [0.0] * max_k
         self.trials = [0.0] * max_k
-        self.cost: dict[int, dict[int, float]] = {}  # bucket -> k -> seconds per step
+        self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
 
     @property
@@ -74,21 +83,23 @@ class AdaptiveSpeculation:
             self.trials[j] = self.accept_decay * self.trials[j] + len(accepted)
 
     def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
-        costs = self.cost.setdefault(bucket(batch_size), {})
-        old = costs.get(k_used)
-        if old is None:
-            costs[k_used] = seconds
-        elif seconds > self.idle_factor * old:
+        recent = self.samples.setdefault(bucket(batch_size), {}).setdefault(
+            k_used, deque(maxlen=self.window))
+        if recent and seconds > self.idle_factor * median(recent):
             return  # the engine sat idle between two steps: not a step cost
-        else:
-            costs[k_used] = old + self.time_ema * (seconds - old)
+        recent.append(seconds)
+
+    @property
+    def cost(self) -> dict[int, dict[int, float]]:
+        """bucket -> k -> seconds per step (median of the recent measurements)."""
+        return {b: {k: median(v) for k, v in ks.items() if v} for b, ks in self.samples.items()}
 
     # -- decision ----------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.accept[:k])
 
     def estimated_cost(self, batch_size: int, k: int) -> float | None:
-        costs = self.cost.get(bucket(batch_size), {})
+        costs = {j: median(v) for j, v in self.samples.get(bucket(batch_size), {}).items() if v}
         if k in costs:
             return costs[k]
         if len(costs) < 2:
@@ -105,12 +116,14 @@ class AdaptiveSpeculation:
         if top == 0:
             return 0
         b = bucket(batch_size)
-        costs = self.cost.get(b, {})
+        costs = self.samples.get(b, {})
         # A new batch size: measure full speculation, then plain decoding.
         for k in (top, 0):
-            if k not in costs:
+            if not costs.get(k):
                 return k
         best = max(range(top + 1), key=lambda k: self._rate(batch_size, k))
+        if best and self._rate(batch_size, best) < (1 + self.min_gain) * self._rate(batch_size, 0):
+            best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1
         if self.explore_every and step % self.explore_every == 0:
             up = (step // self.explore_every) % 2 == 0
