@@ -86,11 +86,14 @@ def _row(mode, method, temperature, c, tokens, seconds, tpots, drafts, accepted,
 def offline_engine(method: str, args, chats):
     from vllm import LLM, SamplingParams
 
+    from vllm_dflash2.testing import keep_own_metrics
+
     spec, adaptive = spec_config(method, args)
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive  # read by the worker it spawns
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.3, seed=0, speculative_config=spec,
               max_num_seqs=max(args.concurrency), disable_log_stats=False)
+    keep_own_metrics(llm)  # several engines live at once: read each one's own counters
     llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     return llm
 

@@ -400,9 +400,16 @@ def tiny_llm(target, drafter=None, num_speculative_tokens: int = 7, *, env=None,
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    # vLLM registers one process-global set of Prometheus collectors per engine and
-    # unregisters the previous engine's, so ``get_metrics()`` of any LLM reports the
-    # counters of the most recently built one. Keep this engine's own collectors.
+    return keep_own_metrics(llm)
+
+
+def keep_own_metrics(llm):
+    """Call right after building ``llm``: its counters stay readable by ``metric_values``.
+
+    vLLM registers one process-global set of Prometheus collectors per engine and
+    unregisters the previous engine's, so ``get_metrics()`` of any LLM reports the
+    counters of the most recently built one. Keep this engine's own collectors.
+    """
     from prometheus_client import REGISTRY
 
     llm._dflash2_collectors = [
@@ -416,7 +423,8 @@ def metric_values(llm, prefix: str = "vllm:") -> dict[str, float]:
     """This engine's Prometheus counters and gauges by name (labelled series summed).
 
     The same numbers as ``LLM.get_metrics()`` for the engine built last; for an engine
-    made by ``tiny_llm`` they stay its own after other engines were built.
+    made by ``tiny_llm`` (or marked by ``keep_own_metrics``) they stay its own after other
+    engines were built.
     """
     collectors = getattr(llm, "_dflash2_collectors", None)
     out: dict[str, float] = {}
