@@ -89,17 +89,23 @@ class AdaptiveSpeculation:
             return  # the engine sat idle between two steps: not a step cost
         recent.append(seconds)
 
+    def _costs(self, b: int) -> dict[int, float]:
+        """k -> seconds per step in bucket ``b`` (median of the recent measurements)."""
+        return {k: median(v) for k, v in self.samples.get(b, {}).items() if v}
+
     @property
     def cost(self) -> dict[int, dict[int, float]]:
         """bucket -> k -> seconds per step (median of the recent measurements)."""
-        return {b: {k: median(v) for k, v in ks.items() if v} for b, ks in self.samples.items()}
+        return {b: self._costs(b) for b in self.samples}
 
     # -- decision ----------------------------------------------------------------
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + sum(self.accept[:k])
+    def expected_tokens(self, k: int, accept: list[float] | None = None) -> float:
+        return 1.0 + sum((self.accept if accept is None else accept)[:k])
 
-    def estimated_cost(self, batch_size: int, k: int) -> float | None:
-        costs = {j: median(v) for j, v in self.samples.get(bucket(batch_size), {}).items() if v}
+    def estimated_cost(self, batch_size: int, k: int,
+                       costs: dict[int, float] | None = None) -> float | None:
+        """``costs``: this bucket's ``_costs``, when the caller already has them."""
+        costs = self._costs(bucket(batch_size)) if costs is None else costs
         if k in costs:
             return costs[k]
         if len(costs) < 2:
@@ -116,13 +122,19 @@ class AdaptiveSpeculation:
         if top == 0:
             return 0
         b = bucket(batch_size)
-        costs = self.samples.get(b, {})
+        measured = self.samples.get(b, {})
         # A new batch size: measure full speculation, then plain decoding.
         for k in (top, 0):
-            if not costs.get(k):
+            if not measured.get(k):
                 return k
-        best = max(range(top + 1), key=lambda k: self._rate(batch_size, k))
-        if best and self._rate(batch_size, best) < (1 + self.min_gain) * self._rate(batch_size, 0):
+        # Once per step: the medians and the acceptance curve, then E(k) / T(b, k) for every k.
+        costs, accept = self._costs(b), self.accept
+        rates = []
+        for k in range(top + 1):
+            cost = self.estimated_cost(batch_size, k, costs)
+            rates.append(0.0 if cost is None else self.expected_tokens(k, accept) / cost)
+        best = max(range(top + 1), key=rates.__getitem__)
+        if best and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1
         if self.explore_every and step % self.explore_every == 0:
@@ -130,10 +142,6 @@ class AdaptiveSpeculation:
             neighbour = best + 1 if (up and best < top) or best == 0 else best - 1
             return neighbour
         return best
-
-    def _rate(self, batch_size: int, k: int) -> float:
-        cost = self.estimated_cost(batch_size, k)
-        return 0.0 if cost is None else self.expected_tokens(k) / cost
 
     def snapshot(self) -> dict:
         return {"accept": list(self.accept),
