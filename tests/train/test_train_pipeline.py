@@ -364,3 +364,31 @@ def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, mon
         assert load_native(dest).cfg.variant == variant
         card = (dest / "README.md").read_text()
         assert f"vllm-dflash2 train --target {tpath}" in card and "--max-steps 4" in card
+
+
+def test_data_shards_grow_a_dataset(tmp_path, capsys):
+    """``--data-shards 2`` keeps shard 0 (the single-file dataset of a 1-shard run) and adds
+    dataset-1.pt, generated with the next seed; the summary counts both; 0 shards is refused."""
+    from vllm_dflash2.testing import build_tiny_target
+    from vllm_dflash2.train import cli
+
+    tpath = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=4, seed=2)
+    out = tmp_path / "work"
+    common = ["--target", str(tpath), "--out", str(out), "--num-prompts", "4", "--max-new-tokens", "10",
+              "--gen-batch-size", "4", "--layers", "1", "--intermediate-size", "64", "--block-size", "4",
+              "--conv-group-size", "8", "--selector-rank", "4", "--target-layer-ids", "0,3",
+              "--mask-token-id", "5", "--candidate-vocab", "0", "--batch-seqs", "2",
+              "--blocks-per-seq", "2", "--threads", "1", "--no-progress", "--max-steps", "1"]
+    assert cli.main(common) == 0
+    shard0 = (out / "dataset.pt").read_bytes()
+    n0 = json.loads((out / "summary.json").read_text())["dataset"]["sequences"]
+    assert cli.main(common + ["--data-shards", "2", "--max-steps", "2"]) == 0
+    assert (out / "dataset.pt").read_bytes() == shard0  # reused, not regenerated
+    s0 = torch.load(out / "dataset.pt", weights_only=False)["sequences"]
+    s1 = torch.load(out / "dataset-1.pt", weights_only=False)["sequences"]
+    assert [x["tokens"].tolist() for x in s0] != [x["tokens"].tolist() for x in s1]  # another seed
+    ds = json.loads((out / "summary.json").read_text())["dataset"]
+    assert ds["shards"] == 2 and ds["sequences"] == n0 + len(s1) == len(s0) + len(s1)
+    assert f"dataset: {len(s0) + len(s1)} sequences" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--data-shards: got 0"):
+        cli.main(common + ["--data-shards", "0"])

@@ -34,7 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None, help="dataset file to reuse or create (default OUT/dataset.pt)")
     p.add_argument("--variants", default="dflash2", help="comma list of dflash2,dflash")
     # data
-    p.add_argument("--num-prompts", type=int, default=256, help="sequences to generate")
+    p.add_argument("--num-prompts", type=int, default=256, help="sequences to generate (per shard)")
+    p.add_argument("--data-shards", type=int, default=1,
+                   help="dataset shards of --num-prompts each; shard i is seeded seed+i and saved as "
+                        "OUT/dataset.pt (i=0) or OUT/dataset-i.pt, so a run can grow its data")
     p.add_argument("--code-fraction", type=float, default=0.5)
     p.add_argument("--stdlib-fraction", type=float, default=0.15,
                    help="share of prompts built from stdlib docstrings (the rest: self-instruct)")
@@ -146,20 +149,60 @@ def sample_batch(data, rng: random.Random, n_seq: int, nb: int, block: int, with
     return feats, tokens, anchors, ((t_ids, t_logp) if has_teacher else None)
 
 
-def build_dataset(args, target, tok, layer_ids, path: Path) -> dict:
-    """Generate the self-distillation dataset once; later runs reuse the file."""
+def build_dataset(args, target, tok, layer_ids, path: Path, seed: int | None = None,
+                  exclude: set[str] | None = None) -> dict:
+    """Generate one self-distillation dataset shard once; later runs reuse the file.
+    ``exclude``: prompts of earlier shards (stdlib-derived prompts are not drawn twice)."""
     t0 = time.time()
+    seed = args.seed if seed is None else seed
     held = [p["prompt"] for p in held_out_prompts()]
     jobs = make_jobs(tok, args.num_prompts, code_fraction=args.code_fraction,
-                     stdlib_fraction=args.stdlib_fraction, seed=args.seed)
+                     stdlib_fraction=args.stdlib_fraction, seed=seed, exclude=exclude)
     data, stats = generate_dataset(target, tok, jobs, layer_ids, args.max_new_tokens,
-                                   batch_size=args.gen_batch_size, seed=args.seed,
+                                   batch_size=args.gen_batch_size, seed=seed,
                                    progress=not args.no_progress, held_out=held)
     stats.update(seconds=time.time() - t0, layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
                  code_fraction=args.code_fraction, stdlib_fraction=args.stdlib_fraction,
                  kinds={k: sum(d["kind"] == k for d in data) for k in ("code", "chat")})
     torch.save({"sequences": data, "info": stats}, path)
     return {"sequences": data, "info": stats}
+
+
+def shard_paths(args, out: Path) -> list[tuple[Path, int]]:
+    """(file, seed) of every dataset shard; shard 0 is the single-file dataset of old runs."""
+    first = Path(args.dataset) if args.dataset else out / "dataset.pt"
+    return [(first if i == 0 else first.with_name(f"{first.stem}-{i}{first.suffix}"), args.seed + i)
+            for i in range(args.data_shards)]
+
+
+def merge_info(infos: list[dict]) -> dict:
+    """One dataset header for the card: counts and seconds summed over the shards."""
+    if len(infos) == 1:
+        return infos[0]
+    out = dict(infos[0])
+    for key in ("jobs", "dropped_held_out", "dropped_short", "forward_rows", "sequences", "tokens",
+                "answer_tokens", "seconds"):
+        out[key] = sum(i.get(key, 0) for i in infos)
+    out["kinds"] = {k: sum(i.get("kinds", {}).get(k, 0) for i in infos) for k in ("code", "chat")}
+    out["shards"] = len(infos)
+    return out
+
+
+def load_or_build(args, target, tok, layer_ids, out: Path) -> tuple[list[dict], dict]:
+    data, infos = [], []
+    for path, seed in shard_paths(args, out):
+        if path.is_file():
+            blob = load_dataset(path)
+        else:
+            blob = build_dataset(args, target, tok, layer_ids, path, seed,
+                                 exclude={d.get("prompt", "") for d in data})
+        info = blob["info"]
+        if info.get("layer_ids") not in (None, layer_ids):
+            raise SystemExit(f"--dataset {path}: features of layers {info['layer_ids']}, "
+                             f"the drafter reads {layer_ids}")
+        data += blob["sequences"]
+        infos.append(info)
+    return data, merge_info(infos)
 
 
 def load_dataset(path: Path) -> dict:
@@ -287,12 +330,9 @@ def train(args) -> dict:
     layer_ids = cfgs[variants[0]].target_layer_ids
     embed = target.get_input_embeddings().weight.detach().float()
 
-    ds_path = Path(args.dataset) if args.dataset else out / "dataset.pt"
-    blob = load_dataset(ds_path) if ds_path.is_file() else build_dataset(args, target, tok, layer_ids, ds_path)
-    data, info = blob["sequences"], blob["info"]
-    if info.get("layer_ids") not in (None, layer_ids):
-        raise SystemExit(f"--dataset {ds_path}: features of layers {info['layer_ids']}, "
-                         f"the drafter reads {layer_ids}")
+    if args.data_shards < 1:
+        raise SystemExit(f"--data-shards: got {args.data_shards}, expected an integer >= 1")
+    data, info = load_or_build(args, target, tok, layer_ids, out)
     print(f"dataset: {len(data)} sequences, {sum(len(d['tokens']) for d in data)} tokens "
           f"({sum(len(d['tokens']) - d['prompt_len'] for d in data)} answer tokens)", flush=True)
     vocab, vocab_info = candidate_vocab(data, int(target.config.vocab_size), args.candidate_vocab)

@@ -207,13 +207,14 @@ class Job:
 
 
 def make_jobs(tok, num: int, code_fraction: float = 0.5, stdlib_fraction: float = 0.15,
-              seed: int = 0, max_prompt_tokens: int = 192) -> list[Job]:
-    """``num`` jobs: self-instruct code / chat requests plus stdlib-derived prompts."""
+              seed: int = 0, max_prompt_tokens: int = 192, exclude: set[str] | None = None) -> list[Job]:
+    """``num`` jobs: self-instruct code / chat requests plus stdlib-derived prompts
+    (those in ``exclude`` are replaced by self-instruct jobs)."""
     rng = random.Random(seed)
     head, _ = user_turn_parts(tok)
     n_std = int(round(num * stdlib_fraction))
     jobs = []
-    for p in stdlib_prompts(n_std, seed=seed):
+    for p in stdlib_prompts(n_std, seed=seed, exclude=exclude):
         jobs.append(Job(chat_ids(tok, p["prompt"])[-max_prompt_tokens:], p["kind"], prompt=p["prompt"]))
     for _ in range(num - len(jobs)):
         kind = "code" if rng.random() < code_fraction else "chat"
