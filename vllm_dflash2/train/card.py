@@ -47,6 +47,8 @@ def write_card(dest: str | Path, summary: dict, variant: str, evaluation: dict |
     data_min = ds.get("seconds", 0) / 60
     train_min = v["train_seconds"] / 60
     vocab = summary.get("candidate_vocab", {})
+    n_shards = ds.get("shards", 1)
+    shards = f" ({n_shards} shards of equal size, shard i generated with seed + i)" if n_shards > 1 else ""
     text = f"""# {dest.name}
 
 {kind} drafter for **{summary.get('target', 'the target')}** (the target that
@@ -65,7 +67,7 @@ target's embedding of `mask_token_id` {dc['mask_token_id']}.
 
 ## Data
 
-Self-distillation only: no hub, no public benchmark set. {ds.get('jobs')} prompts:
+Self-distillation only: no hub, no public benchmark set. {ds.get('jobs')} prompts{shards}:
 {100 * (1 - ds.get('stdlib_fraction', 0)):.0f}% written by the target itself (its chat template opened for a
 user turn, optionally with a generic opener such as "Write a Python function" or "How can I",
 continued at temperature 1), {100 * ds.get('stdlib_fraction', 0):.0f}% built from the installed Python
