@@ -163,3 +163,21 @@ def test_default_depends_on_the_backend(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert enabled_from_env(default=True) is True
     assert enabled_from_env(default=False) is False
+
+
+def test_probes_back_off_while_the_choice_holds():
+    # Batch 16, compute-bound: every draft row costs a plain step, nothing is accepted.
+    ctl = AdaptiveSpeculation(K, explore_every=16, explore_max=128)
+    chosen = _feed(ctl, 16, lambda k: 0.1 * (1 + k), accept_prob=0.0, steps=2000)
+    probes = [i for i, k in enumerate(chosen[2:], 2) if k != 0]
+    assert len(probes) <= 20  # gaps 16, 32, 64, 128, 128, ...: not one step in 16
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 128
+
+
+def test_probes_still_find_acceptance_that_appears_later():
+    cost = lambda k: 0.07 + 0.004 * k  # noqa: E731
+    ctl = AdaptiveSpeculation(K, explore_every=16, explore_max=128)
+    assert _mode(_feed(ctl, 1, cost, accept_prob=0.0, steps=600)) == 0
+    again = _feed(ctl, 1, cost, accept_prob=0.9, steps=1000)
+    assert _mode(again) == K

@@ -192,3 +192,97 @@ def test_drafting_gate_is_per_request_for_dflash2():
     from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
     assert proposer._PAD_SLOT == PADDING_SLOT_ID
+
+
+def _sampling(batch, temperature, seeds, max_num_logprobs=None):
+    """vLLM's SamplingMetadata for ``batch`` requests, request i seeded with seeds[i]."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(
+        temperature=None if temperature == 0 else torch.full((batch,), temperature),
+        all_greedy=temperature == 0, all_random=temperature > 0, top_p=None, top_k=None,
+        generators={i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)},
+        max_num_logprobs=max_num_logprobs, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+    )
+
+
+def _spec_metadata(drafts):
+    """SpecDecodeMetadata as the runner builds it: request i owns len(drafts[i]) + 1 logits
+    rows, one per draft position and then its bonus row."""
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    target, bonus, row = [], [], 0
+    for ids in drafts:
+        target += range(row, row + len(ids))
+        row += len(ids)
+        bonus.append(row)
+        row += 1
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    n = [len(ids) for ids in drafts]
+    return SpecDecodeMetadata(
+        draft_token_ids=as_i32(sum(drafts, [])), num_draft_tokens=n,
+        cu_num_draft_tokens=as_i32(n).cumsum(0, dtype=torch.int32),
+        cu_num_sampled_tokens=as_i32([k + 1 for k in n]).cumsum(0, dtype=torch.int32),
+        target_logits_indices=as_i32(target), bonus_logits_indices=as_i32(bonus),
+        logits_indices=as_i32(list(range(row))),
+    )
+
+
+def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
+    """A step where no request has a draft: the patched rejection sampler returns what
+    upstream returns (same tokens for seeded requests, same shape and dtype) without
+    upstream's [batch, vocab] recovered-token draw; steps with drafts, or asking for
+    logprobs, run upstream's code."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs_mod
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample.sampler import Sampler
+
+    CpuPlatform.import_kernels()
+    CpuPlatform.register_triton_kernel_overrides()
+    patches._sample_plainly_without_drafts(rs_mod)
+    forward = rs_mod.RejectionSampler.forward
+    assert getattr(forward, "_dflash2", False)
+    [original] = [c.cell_contents for c in forward.__closure__ if callable(c.cell_contents)]
+    draws = []
+    recovered = rs_mod.sample_recovered_tokens
+    monkeypatch.setattr(rs_mod, "sample_recovered_tokens",
+                        lambda *a, **k: draws.append(1) or recovered(*a, **k))
+    sampler = rs_mod.RejectionSampler(Sampler())
+    batch, vocab = 5, 300
+    seeds = [11, 12, 13, 14, 15]
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    no_drafts = _spec_metadata([[]] * batch)
+
+    for temperature in (0.0, 1.0):
+        got = forward(sampler, no_drafts, None, logits.clone(), _sampling(batch, temperature, seeds))
+        assert not draws, "the patched path must not run rejection sampling"
+        want = original(sampler, no_drafts, None, logits.clone(), _sampling(batch, temperature, seeds))
+        assert len(draws) == int(temperature > 0), "upstream changed its zero-draft path"
+        draws.clear()
+        assert got.sampled_token_ids.shape == (batch, 1)
+        assert got.sampled_token_ids.dtype == want.sampled_token_ids.dtype
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+        if temperature == 0:
+            assert torch.equal(got.sampled_token_ids[:, 0].long(), logits.argmax(-1))
+
+    # Logprobs asked for: upstream's code builds them.
+    out = forward(sampler, no_drafts, None, logits.clone(), _sampling(batch, 1.0, seeds, 0))
+    assert draws and out.logprobs_tensors is not None
+    draws.clear()
+    # A step with drafts: upstream's code, same tokens.
+    drafts = [[3, 4], [], [5], [6, 7], [8]]
+    with_drafts = _spec_metadata(drafts)
+    rows = torch.randn(batch + 6, vocab, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)  # the CPU rejection kernels also draw from the global generator
+    got = forward(sampler, with_drafts, None, rows.clone(), _sampling(batch, 1.0, seeds))
+    torch.manual_seed(0)
+    want = original(sampler, with_drafts, None, rows.clone(), _sampling(batch, 1.0, seeds))
+    assert len(draws) == 2
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)

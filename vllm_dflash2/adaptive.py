@@ -5,8 +5,11 @@ E(k) = 1 + sum_{i<=k} P(first i drafts accepted) tokens per request. The
 controller measures both while serving (step wall time between two proposals,
 acceptance from the rejection sampler's counts) and drafts the k that maximizes
 E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at the
-current batch size it is switched off. Every ``explore_every`` steps of a batch
-size it tries a neighbour of its choice so stale estimates get refreshed.
+current batch size it is switched off. It tries a neighbour of its choice now
+and then so that stale estimates get refreshed: ``explore_every`` steps after the
+choice at a batch size last changed, then at doubling gaps up to ``explore_max``
+steps while the choice holds. A probe at a large batch size costs up to 2x a step
+(verification is compute-bound there), so a fixed 1-in-16 probe alone cost ~4%.
 
 Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
 median of the last ``window`` measurements of that (batch bucket, k), and k > 0
@@ -45,13 +48,15 @@ def bucket(batch_size: int) -> int:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, max_k: int, explore_every: int = 16, window: int = 9,
+    def __init__(self, max_k: int, explore_every: int = 16, explore_max: int = 128,
+                 window: int = 9,
                  accept_decay: float = 0.99, prior_accept: float = 0.7,
                  idle_factor: float = 4.0, min_gain: float = 0.1):
         if max_k < 1:
             raise ValueError(f"max_k={max_k}: expected >= 1")
         self.max_k = max_k
         self.explore_every = explore_every
+        self.explore_max = max(explore_every, explore_max)
         self.window = window
         self.accept_decay = accept_decay
         self.idle_factor = idle_factor
@@ -64,6 +69,8 @@ class AdaptiveSpeculation:
         self.trials = [0.0] * max_k
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
+        # bucket -> [choice, gap, step of the next probe, probes so far]
+        self._probe: dict[int, list[int]] = {}
 
     @property
     def accept(self) -> list[float]:
@@ -137,11 +144,19 @@ class AdaptiveSpeculation:
         if best and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1
-        if self.explore_every and step % self.explore_every == 0:
-            up = (step // self.explore_every) % 2 == 0
-            neighbour = best + 1 if (up and best < top) or best == 0 else best - 1
-            return neighbour
-        return best
+        if not self.explore_every:
+            return best
+        probe = self._probe.get(b)
+        if probe is None or probe[0] != best:  # a new choice: probe soon again
+            probe = self._probe[b] = [best, self.explore_every, step + self.explore_every,
+                                      0 if probe is None else probe[3]]
+        if step < probe[2]:
+            return best
+        probe[1] = min(2 * probe[1], self.explore_max)
+        probe[2] = step + probe[1]
+        probe[3] += 1
+        up = probe[3] % 2 == 0  # alternate above and below the choice
+        return best + 1 if (up and best < top) or best == 0 else best - 1
 
     def snapshot(self) -> dict:
         return {"accept": list(self.accept),
