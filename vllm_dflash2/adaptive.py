@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from dataclasses import dataclass
 from statistics import median
 
 ENV = "VLLM_DFLASH2_ADAPTIVE"
@@ -45,6 +46,16 @@ def enabled_from_env(default: bool = True) -> bool:
 def bucket(batch_size: int) -> int:
     """Batch sizes 1, 2, 3-4, 5-8, ... share estimates (cost grows ~ with log b here)."""
     return max(0, math.ceil(math.log2(max(1, batch_size))))
+
+
+@dataclass
+class _Probes:
+    """When a batch-size bucket next tries a neighbour of its current choice."""
+
+    choice: int
+    gap: int
+    next_step: int
+    count: int = 0  # probes so far: even ones go above the choice, odd ones below
 
 
 class AdaptiveSpeculation:
@@ -69,8 +80,7 @@ class AdaptiveSpeculation:
         self.trials = [0.0] * max_k
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
-        # bucket -> [choice, gap, step of the next probe, probes so far]
-        self._probe: dict[int, list[int]] = {}
+        self._probes: dict[int, _Probes] = {}
 
     @property
     def accept(self) -> list[float]:
@@ -146,16 +156,16 @@ class AdaptiveSpeculation:
         step = self.steps[b] = self.steps.get(b, 0) + 1
         if not self.explore_every:
             return best
-        probe = self._probe.get(b)
-        if probe is None or probe[0] != best:  # a new choice: probe soon again
-            probe = self._probe[b] = [best, self.explore_every, step + self.explore_every,
-                                      0 if probe is None else probe[3]]
-        if step < probe[2]:
+        probes = self._probes.get(b)
+        if probes is None or probes.choice != best:  # a new choice: probe soon again
+            probes = self._probes[b] = _Probes(best, self.explore_every, step + self.explore_every,
+                                               0 if probes is None else probes.count)
+        if step < probes.next_step:
             return best
-        probe[1] = min(2 * probe[1], self.explore_max)
-        probe[2] = step + probe[1]
-        probe[3] += 1
-        up = probe[3] % 2 == 0  # alternate above and below the choice
+        probes.gap = min(2 * probes.gap, self.explore_max)
+        probes.next_step = step + probes.gap
+        probes.count += 1
+        up = probes.count % 2 == 0
         return best + 1 if (up and best < top) or best == 0 else best - 1
 
     def snapshot(self) -> dict:
