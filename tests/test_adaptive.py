@@ -181,3 +181,36 @@ def test_probes_still_find_acceptance_that_appears_later():
     assert _mode(_feed(ctl, 1, cost, accept_prob=0.0, steps=600)) == 0
     again = _feed(ctl, 1, cost, accept_prob=0.9, steps=1000)
     assert _mode(again) == K
+
+
+def _stalling(cost, stalled_plain_steps):
+    """cost(k), except that the first ``stalled_plain_steps`` plain steps take 3x."""
+    left = [stalled_plain_steps]
+
+    def f(k):
+        if k == 0 and left[0] > 0:
+            left[0] -= 1
+            return 3 * cost(k)
+        return cost(k)
+    return f
+
+
+def test_one_stalled_plain_step_does_not_start_speculation():
+    # Batch 2, drafts do not pay (acceptance 0.3, each draft row +20%); the first plain
+    # step the controller measures stalls. Deciding on that one step drafted at a loss.
+    cost = lambda k: 0.064 * (1 + 0.2 * k)  # noqa: E731
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 2, _stalling(cost, 1), accept_prob=0.3, steps=64)
+    assert chosen[0] == K and chosen[1:4] == [0, 0, 0]  # full K once, then the baseline
+    assert sum(k > 0 for k in chosen[4:]) <= 3  # probes only
+
+
+def test_plain_decoding_is_remeasured_while_speculating():
+    # The machine was busy while the baseline was measured (3 stalled plain steps), so
+    # drafting looked worth it; the baseline probes must find plain decoding again.
+    cost = lambda k: 0.064 * (1 + 0.2 * k)  # noqa: E731
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 2, _stalling(cost, 3), accept_prob=0.3, steps=600)
+    assert any(k > 0 for k in chosen[4:40])  # it did start drafting
+    tail = chosen[300:]
+    assert tail.count(0) >= 0.9 * len(tail)

@@ -11,6 +11,13 @@ choice at a batch size last changed, then at doubling gaps up to ``explore_max``
 steps while the choice holds. A probe at a large batch size costs up to 2x a step
 (verification is compute-bound there), so a fixed 1-in-16 probe alone cost ~4%.
 
+Plain decoding is the baseline every choice is measured against, so its cost is
+never trusted on one step: a new batch size measures ``baseline_samples`` plain
+steps before deciding, and while speculating every fourth probe re-measures the
+baseline from scratch (that many plain steps). Seen on the CPU backend: with its
+plain cost resting on one step, batch 2 at T = 1 drafted 3-4 tokens for ~50 steps
+at ~0.85x plain decoding (acceptance ~0.35 could never pay for them).
+
 Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
 median of the last ``window`` measurements of that (batch bucket, k), and k > 0
 must be estimated ``min_gain`` faster than plain decoding to be chosen: a marginal
@@ -55,12 +62,12 @@ class _Probes:
     choice: int
     gap: int
     next_step: int
-    count: int = 0  # probes so far: even ones go above the choice, odd ones below
+    count: int = 0  # probes so far, cycling: above the choice, below, above, the baseline
 
 
 class AdaptiveSpeculation:
     def __init__(self, max_k: int, explore_every: int = 16, explore_max: int = 128,
-                 window: int = 9,
+                 window: int = 9, baseline_samples: int = 3,
                  accept_decay: float = 0.99, prior_accept: float = 0.7,
                  idle_factor: float = 4.0, min_gain: float = 0.1):
         if max_k < 1:
@@ -69,6 +76,7 @@ class AdaptiveSpeculation:
         self.explore_every = explore_every
         self.explore_max = max(explore_every, explore_max)
         self.window = window
+        self.baseline_samples = max(1, min(baseline_samples, window))
         self.accept_decay = accept_decay
         self.idle_factor = idle_factor
         self.min_gain = min_gain
@@ -140,10 +148,12 @@ class AdaptiveSpeculation:
             return 0
         b = bucket(batch_size)
         measured = self.samples.get(b, {})
-        # A new batch size: measure full speculation, then plain decoding.
-        for k in (top, 0):
-            if not measured.get(k):
-                return k
+        # A new batch size: measure full speculation once, then plain decoding a few
+        # times (also after a baseline probe cleared it).
+        if not measured.get(top):
+            return top
+        if len(measured.get(0, ())) < self.baseline_samples:
+            return 0
         # Once per step: the medians and the acceptance curve, then E(k) / T(b, k) for every k.
         costs, accept = self._costs(b), self.accept
         rates = []
@@ -164,9 +174,12 @@ class AdaptiveSpeculation:
             return best
         probes.gap = min(2 * probes.gap, self.explore_max)
         probes.next_step = step + probes.gap
+        phase = probes.count % 4  # up, down, up, baseline
         probes.count += 1
-        up = probes.count % 2 == 0
-        return best + 1 if (up and best < top) or best == 0 else best - 1
+        if best > 0 and phase == 3:
+            measured[0].clear()  # re-measured from scratch by the next plain steps
+            return 0
+        return best + 1 if (phase % 2 == 0 and best < top) or best == 0 else best - 1
 
     def snapshot(self) -> dict:
         return {"accept": list(self.accept),
