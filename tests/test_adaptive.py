@@ -214,3 +214,20 @@ def test_plain_decoding_is_remeasured_while_speculating():
     assert any(k > 0 for k in chosen[4:40])  # it did start drafting
     tail = chosen[300:]
     assert tail.count(0) >= 0.9 * len(tail)
+
+
+def test_a_larger_batch_skips_full_speculation_that_cannot_pay():
+    # At batch 2 full K already loses (acceptance 0.3); verification is only more
+    # compute-bound at batch 16, where one K = 7 step would cost 8 plain steps.
+    ctl = AdaptiveSpeculation(K)
+    assert _mode(_feed(ctl, 2, lambda k: 0.064 * (1 + 0.2 * k), accept_prob=0.3)) == 0
+    chosen = _feed(ctl, 16, lambda k: 0.1 * (1 + k), accept_prob=0.3, steps=300)
+    assert chosen[:3] == [0, 0, 0]
+    assert max(chosen) == 1  # probes of one draft only
+    assert chosen.count(1) <= 10
+
+
+def test_a_larger_batch_still_measures_full_speculation_that_may_pay():
+    ctl = AdaptiveSpeculation(K)
+    _feed(ctl, 1, lambda k: 0.07 + 0.002 * k, accept_prob=0.9)
+    assert ctl.choose(16, K) == K

@@ -142,15 +142,27 @@ class AdaptiveSpeculation:
         slope = sum((x - mk) * (t - mt) for x, t in zip(ks, ts)) / var if var else 0.0
         return max(1e-9, mt + slope * (k - mk))
 
+    def _cannot_pay_below(self, b: int, k: int) -> bool:
+        """Whether the nearest smaller bucket with k and plain decoding measured says
+        k cannot pay at bucket ``b`` either. Verification only gets more compute-bound
+        with the batch, so a smaller bucket's cost ratio is a lower bound: at batch 16
+        here one K = 7 step cost 6.7 plain steps, too much to spend on finding that out."""
+        for smaller in sorted((x for x in self.samples if x < b), reverse=True):
+            costs = self._costs(smaller)
+            if 0 in costs and k in costs:
+                return self.expected_tokens(k) < (1 + self.min_gain) * costs[k] / costs[0]
+        return False
+
     def choose(self, batch_size: int, k_limit: int | None = None) -> int:
         top = self.max_k if k_limit is None else max(0, min(self.max_k, k_limit))
         if top == 0:
             return 0
         b = bucket(batch_size)
         measured = self.samples.get(b, {})
-        # A new batch size: measure full speculation once, then plain decoding a few
-        # times (also after a baseline probe cleared it).
-        if not measured.get(top):
+        # A new batch size: measure full speculation once (unless a smaller batch size
+        # already shows it cannot pay), then plain decoding a few times (also after a
+        # baseline probe cleared it).
+        if not measured.get(top) and not self._cannot_pay_below(b, top):
             return top
         if len(measured.get(0, ())) < self.baseline_samples:
             return 0
@@ -168,8 +180,11 @@ class AdaptiveSpeculation:
             return best
         probes = self._probes.get(b)
         if probes is None or probes.choice != best:  # a new choice: probe soon again
+            count = 0 if probes is None else probes.count
+            if best > 0 and (probes is None or probes.choice == 0):
+                count = 3  # speculation just started: the first probe re-checks the baseline
             probes = self._probes[b] = _Probes(best, self.explore_every, step + self.explore_every,
-                                               0 if probes is None else probes.count)
+                                               count)
         if step < probes.next_step:
             return best
         probes.gap = min(2 * probes.gap, self.explore_max)
