@@ -13,10 +13,12 @@ steps while the choice holds. A probe at a large batch size costs up to 2x a ste
 
 Plain decoding is the baseline every choice is measured against, so its cost is
 never trusted on one step: a new batch size measures ``baseline_samples`` plain
-steps before deciding, and while speculating every fourth probe re-measures the
-baseline from scratch (that many plain steps). Seen on the CPU backend: with its
-plain cost resting on one step, batch 2 at T = 1 drafted 3-4 tokens for ~50 steps
-at ~0.85x plain decoding (acceptance ~0.35 could never pay for them).
+steps before deciding, and once speculating, the first probe and every fourth after
+it re-measure the baseline from scratch (that many plain steps). Seen on the CPU
+backend: with its plain cost resting on one step, batch 2 at T = 1 drafted 3-4
+tokens for ~50 steps at ~0.85x plain decoding (acceptance ~0.35 could never pay).
+A new batch size starts with one step of full K, unless a smaller batch size already
+shows that full K cannot pay (see ``_cannot_pay_below``).
 
 Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
 median of the last ``window`` measurements of that (batch bucket, k), and k > 0
