@@ -57,6 +57,11 @@ def bucket(batch_size: int) -> int:
     return max(0, math.ceil(math.log2(max(1, batch_size))))
 
 
+# Probes cycle through these directions; the baseline one re-measures plain decoding.
+_PROBE_CYCLE = ("up", "down", "up", "baseline")
+_BASELINE_PHASE = _PROBE_CYCLE.index("baseline")
+
+
 @dataclass
 class _Probes:
     """When a batch-size bucket next tries a neighbour of its current choice."""
@@ -64,7 +69,7 @@ class _Probes:
     choice: int
     gap: int
     next_step: int
-    count: int = 0  # probes so far, cycling: above the choice, below, above, the baseline
+    count: int = 0  # probes so far; probe i goes _PROBE_CYCLE[i % len(_PROBE_CYCLE)]
 
 
 class AdaptiveSpeculation:
@@ -184,19 +189,19 @@ class AdaptiveSpeculation:
         if probes is None or probes.choice != best:  # a new choice: probe soon again
             count = 0 if probes is None else probes.count
             if best > 0 and (probes is None or probes.choice == 0):
-                count = 3  # speculation just started: the first probe re-checks the baseline
+                count = _BASELINE_PHASE  # speculation just started: first re-check the baseline
             probes = self._probes[b] = _Probes(best, self.explore_every, step + self.explore_every,
                                                count)
         if step < probes.next_step:
             return best
         probes.gap = min(2 * probes.gap, self.explore_max)
         probes.next_step = step + probes.gap
-        phase = probes.count % 4  # up, down, up, baseline
+        direction = _PROBE_CYCLE[probes.count % len(_PROBE_CYCLE)]
         probes.count += 1
-        if best > 0 and phase == 3:
+        if best > 0 and direction == "baseline":
             measured[0].clear()  # re-measured from scratch by the next plain steps
             return 0
-        return best + 1 if (phase % 2 == 0 and best < top) or best == 0 else best - 1
+        return best + 1 if (direction == "up" and best < top) or best == 0 else best - 1
 
     def snapshot(self) -> dict:
         return {"accept": list(self.accept),
