@@ -7,8 +7,13 @@ context K/V, draft forward (per layer: conv, attention, MLP), candidates and
 selector, rejection sampling, worker bookkeeping, engine/scheduler/IPC.
 
     python benchmarks/profile_step.py [--drafter DIR] [--dtype float32] [-k 7 3] [--compile]
+                                      [--rounds 3]
 
-Speculative runs use a fixed K (adaptive speculation off), one run per ``-k`` value.
+Speculative runs use a fixed K (adaptive speculation off), one run per ``-k`` value;
+``-k 0`` runs a speculative engine (K = the largest ``-k``) whose adaptive controller
+always chooses k = 0: what adaptive's plain decoding costs over a plain engine.
+All engines are up at once and measured in turn, ``--rounds`` times; step-cost ratios
+are medians of per-round ratios (single runs here move by 5-10%).
 
 JSON goes to benchmarks/results/profile_step_cpu.json (or --out).
 """
@@ -21,6 +26,7 @@ import json
 import os
 import time
 from pathlib import Path
+from statistics import median
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -42,41 +48,66 @@ def _engine(target, drafter, k, dtype, compile_, extra):
                disable_log_stats=False)
 
 
-def profile(target, drafter, k, dtype, compile_, max_tokens, extra=None) -> dict:
+def start(target, drafter, k, dtype, compile_, extra=None, max_k=7):
+    """One engine for one column, warmed up, timers installed."""
+    from vllm import SamplingParams
+
+    from vllm_dflash2 import profiling
+    from vllm_dflash2.testing import keep_own_metrics
+
+    # Fixed K: adaptive off (the worker reads it at spawn). k = 0 is adaptive's plain
+    # decoding inside a speculative engine: a K-token engine whose controller always says 0.
+    os.environ["VLLM_DFLASH2_ADAPTIVE"] = "1" if drafter is not None and k == 0 else "0"
+    llm = _engine(target, drafter, k or max_k, dtype, compile_, extra or {})
+    keep_own_metrics(llm)  # several engines live at once: read each one's own counters
+    if drafter is not None and k == 0:
+        llm.collective_rpc(profiling.force_k, args=(0,))
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    llm.chat([chat], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    llm.collective_rpc(profiling.install)
+    return llm
+
+
+def measure(llm, max_tokens) -> dict:
+    """One round on one engine: every prompt once, one request at a time (batch 1)."""
     from vllm import SamplingParams
 
     from vllm_dflash2 import profiling
     from vllm_dflash2.testing import spec_decode_counts
 
-    os.environ["VLLM_DFLASH2_ADAPTIVE"] = "0"  # fixed K: the worker reads it at spawn
-    llm = _engine(target, drafter, k, dtype, compile_, extra or {})
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-    llm.chat(chats[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    llm.collective_rpc(profiling.install)
     d0, a0 = spec_decode_counts(llm)
-    wall = 0.0
-    tokens = 0
     llm.collective_rpc(profiling.reset)
-    for chat in chats:  # batch 1: one request at a time
-        start = time.perf_counter()
-        out = llm.chat([chat], sp, use_tqdm=False)
-        wall += time.perf_counter() - start
+    wall, tokens = 0.0, 0
+    for p in PROMPTS:
+        t0 = time.perf_counter()
+        out = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)
+        wall += time.perf_counter() - t0
         tokens += len(out[0].outputs[0].token_ids)
     timers = llm.collective_rpc(profiling.read)[0]
     d1, a1 = spec_decode_counts(llm)
-    del llm
-    gc.collect()
-    steps = timers["step/execute_model"]["calls"]
-    per = {key: v["seconds"] / steps * 1e3 for key, v in timers.items()}  # ms per step
-    drafts = d1 - d0
+    return {"wall": wall, "tokens": tokens, "timers": timers, "drafts": d1 - d0,
+            "accepted": a1 - a0}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Timers summed over the rounds, per step; the step time per round kept too."""
+    steps = sum(r["timers"]["step/execute_model"]["calls"] for r in rounds)
+    wall = sum(r["wall"] for r in rounds)
+    tokens = sum(r["tokens"] for r in rounds)
+    drafts = sum(r["drafts"] for r in rounds)
+    keys = {k for r in rounds for k in r["timers"]}
+    per = {k: sum(r["timers"].get(k, {}).get("seconds", 0.0) for r in rounds) / steps * 1e3
+           for k in sorted(keys)}  # ms per step
     return {
         "steps": steps,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
         "ms_per_step": wall / steps * 1e3,
-        "tau": 1 + (a1 - a0) / drafts if drafts else None,
+        "ms_per_step_by_round": [r["wall"] / r["timers"]["step/execute_model"]["calls"] * 1e3
+                                 for r in rounds],
+        "tau": 1 + sum(r["accepted"] for r in rounds) / drafts if drafts else None,
         "timers_ms_per_step": per,
     }
 
@@ -125,6 +156,7 @@ def main():
     parser.add_argument("--dtype", default=None, help="default: bfloat16 with native bf16, else float32")
     parser.add_argument("--compile", action="store_true", help="vLLM's torch.compile (default: eager)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all columns")
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
     args = parser.parse_args()
 
@@ -133,15 +165,32 @@ def main():
     args.dtype = args.dtype or profiling.default_dtype()
     target = args.target or str(assets.ensure_target())
     drafter = args.drafter or str(assets.default_drafter())
-    base = profile(target, None, 0, args.dtype, args.compile, args.max_tokens)
-    specs = {k: profile(target, drafter, k, args.dtype, args.compile, args.max_tokens)
-             for k in args.k}
+    # Every column's engine is up at once and each round measures them one after the
+    # other, the order reversed every round: a slow spell of this shared machine then
+    # lands on all columns alike, and the cost ratios are medians of per-round ratios.
+    max_k = max(args.k)
+    columns = [None, *args.k]  # None: no speculation
+    engines = {c: start(target, None if c is None else drafter, c or 0, args.dtype, args.compile,
+                        max_k=max_k) for c in columns}
+    rounds = {c: [] for c in columns}
+    for r in range(args.rounds):
+        for c in (columns if r % 2 == 0 else columns[::-1]):
+            rounds[c].append(measure(engines[c], args.max_tokens))
+    del engines
+    gc.collect()
+    base = summarize(rounds[None])
+    specs = {k: summarize(rounds[k]) for k in args.k}
+
+    def ratio(k):
+        return median(s / b for s, b in zip(specs[k]["ms_per_step_by_round"],
+                                            base["ms_per_step_by_round"]))
+
     result = {
         "config": vars(args) | {"target": Path(target).name, "drafter": Path(drafter).name,
                                 "threads": os.cpu_count(), "env": profiling.benchmark_env()},
         "no_spec": base | {"split_ms": split(base)},
         "dflash2": {str(k): r | {"split_ms": split(r),
-                                 "step_cost_ratio": r["ms_per_step"] / base["ms_per_step"],
+                                 "step_cost_ratio": ratio(k),
                                  "speedup": r["tokens_per_s"] / base["tokens_per_s"]}
                     for k, r in specs.items()},
     }
@@ -151,13 +200,17 @@ def main():
     rows_b = result["no_spec"]["split_ms"]
     cols = {f"K={k}": result["dflash2"][str(k)]["split_ms"] for k in args.k}
     print(f"\n{'ms per step (' + args.dtype + ')':<46}{'no spec':>10}" + "".join(f"{c:>10}" for c in cols))
-    for key in next(iter(cols.values())):
-        print(f"{key:<46}{rows_b.get(key, 0.0):>10.2f}" + "".join(f"{v[key]:>10.2f}" for v in cols.values()))
+    keys = max(cols.values(), key=len)  # a k = 0 column has no draft-layer rows
+    for key in keys:
+        print(f"{key:<46}{rows_b.get(key, 0.0):>10.2f}"
+              + "".join(f"{v.get(key, 0.0):>10.2f}" for v in cols.values()))
     print(f"{'step total (wall)':<46}{base['ms_per_step']:>10.2f}"
           + "".join(f"{specs[k]['ms_per_step']:>10.2f}" for k in args.k))
     for k in args.k:
         r = result["dflash2"][str(k)]
-        print(f"K={k}: step cost {r['step_cost_ratio']:.2f}x plain decode, tau {r['tau']:.2f}, "
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        print(f"K={k}: step cost {r['step_cost_ratio']:.2f}x plain decode (median of {args.rounds} "
+              f"rounds), tau {tau}, "
               f"tok/s {base['tokens_per_s']:.1f} -> {r['tokens_per_s']:.1f} ({r['speedup']:.2f}x)")
     print(f"-> {args.out}")
 

@@ -108,6 +108,32 @@ def adaptive_state(worker) -> dict | None:
     return {"cost_ms": cost, "greedy": greedy, "sampled": sampled}
 
 
+class _FixedK:
+    """A stand-in controller that always drafts ``k`` (0: plain decoding, draft KV kept)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, batch_size: int, k_limit: int | None = None) -> int:
+        return self.k if k_limit is None else min(self.k, k_limit)
+
+    def observe_acceptance(self, k_used: int, accepted: list[int]) -> None:
+        pass
+
+    def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
+        pass
+
+
+def force_k(worker, k: int) -> None:
+    """Make an adaptive drafter draft exactly ``k`` every step (measures what k = 0,
+    adaptive's plain decoding inside a speculative engine, costs over a plain engine)."""
+    drafter = worker.model_runner.drafter
+    if getattr(drafter, "adaptive", None) is None:
+        raise RuntimeError("force_k needs adaptive speculation on (VLLM_DFLASH2_ADAPTIVE=1)")
+    drafter._controllers = {greedy: _FixedK(k) for greedy in (True, False)}
+    drafter.adaptive = drafter._controllers[True]
+
+
 _TORCH_PROFILER = None
 
 
