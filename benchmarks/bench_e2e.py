@@ -34,6 +34,7 @@ from pathlib import Path
 
 # Every method's engine is up at once: 1 GiB of KV each holds 16 requests of 1024 tokens.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the controller's state
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["no_spec", "ngram", "dflash_v1", "dflash2", "dflash2_adaptive"]
@@ -98,8 +99,11 @@ def offline_engine(method: str, args, chats):
     return llm
 
 
-def run_offline(methods: list[str], args, prompts: list[str]) -> list[dict]:
+def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict], dict | None]:
+    """The rows, and the adaptive controller's final state (chosen k per batch bucket)."""
     from vllm import SamplingParams
+
+    from vllm_dflash2.profiling import adaptive_state
 
     from vllm_dflash2.testing import spec_decode_counts
 
@@ -128,9 +132,11 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> list[dict]:
             a[4] += a1 - a0
             print(json.dumps({"offline": m, "T": temperature, "c": c, "round": r,
                               "tok_s": round(tokens / elapsed, 2)}), flush=True)
-    del engines
+    adaptive = engines.get("dflash2_adaptive")
+    controller = adaptive.collective_rpc(adaptive_state)[0] if adaptive is not None else None
+    del engines, adaptive
     gc.collect()
-    return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()]
+    return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()], controller
 
 
 # -- served --------------------------------------------------------------------
@@ -280,12 +286,14 @@ def main():
         methods.remove("dflash_v1")
     prompts = load_prompts()
     rows: list[dict] = []
+    controller = None
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prompt_file = workdir / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         if args.mode in ("offline", "both"):
-            rows += run_offline(methods, args, prompts)
+            offline, controller = run_offline(methods, args, prompts)
+            rows += offline
         if args.mode in ("served", "both"):
             served = [m for m in (args.served_methods or methods) if m in methods]
             rows += run_served(served, args, prompt_file, workdir)
@@ -296,7 +304,10 @@ def main():
     config |= {"target": Path(args.target).name, "drafter": Path(args.drafter).name,
                "dflash_drafter": Path(args.dflash_drafter).name if args.dflash_drafter else None,
                "cpus": os.cpu_count(), "prompts": len(prompts), "env": benchmark_env()}
-    out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
+    result = {"config": config, "rows": rows}
+    if controller is not None:  # offline adaptive: what it measured and chose per batch bucket
+        result["adaptive_controller"] = controller
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(rows, methods)
     out.with_suffix(".md").write_text(table)
     plot(rows, methods, out.with_suffix(".png"))

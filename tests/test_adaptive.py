@@ -114,7 +114,9 @@ def test_env_switch(monkeypatch):
 @pytest.mark.e2e
 def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch):
     """Variable k per step (including k = 0) inside real vLLM: greedy rows still equal
-    no-speculation output, sampled rows with seeds run, and the controller measured steps."""
+    no-speculation output, sampled rows with seeds run, and the controller measured steps;
+    then k = 0 forced on every step (the speculative engine decoding plainly) drafts nothing
+    and still gives plain decoding's greedy output."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -131,24 +133,38 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
 
+    def counters_of(llm):
+        return {m.name: m.value for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+
     def run(spec):
         llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
                   gpu_memory_utilization=0.5, seed=0, speculative_config=spec,
                   disable_log_stats=False)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        state = llm.collective_rpc(profiling.adaptive_state)[0] if spec else None
-        counters = {m.name: m.value for m in llm.get_metrics()
-                    if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
-        reruns = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded, use_tqdm=False)]
-                  for _ in range(2)]
+        r = {"outs": [list(o.outputs[0].token_ids)
+                      for o in llm.generate(prompts, params, use_tqdm=False)]}
+        if spec:
+            r["state"] = llm.collective_rpc(profiling.adaptive_state)[0]
+            r["counters"] = counters_of(llm)
+            r["reruns"] = [[list(o.outputs[0].token_ids)
+                            for o in llm.generate(prompts, seeded, use_tqdm=False)]
+                           for _ in range(2)]
+            # k = 0 on every step: adaptive's plain decoding, on its own.
+            llm.collective_rpc(profiling.force_k, args=(0,))
+            drafts = counters_of(llm)["vllm:spec_decode_num_draft_tokens"]
+            r["plain"] = [list(o.outputs[0].token_ids)
+                          for o in llm.generate(prompts[::2], params[::2], use_tqdm=False)]
+            r["plain_drafts"] = counters_of(llm)["vllm:spec_decode_num_draft_tokens"] - drafts
         del llm
         gc.collect()
-        return outs, state, counters, reruns
+        return r
 
-    base, _, _, _ = run(None)
-    spec, state, counters, reruns = run({"method": "dflash", "model": str(tiny_drafter),
-                                         "num_speculative_tokens": K})
+    base = run(None)["outs"]
+    r = run({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": K})
+    spec, state, counters, reruns = r["outs"], r["state"], r["counters"], r["reruns"]
     assert reruns[0] == reruns[1], "seeded requests must reproduce with adaptive speculation on"
+    assert r["plain"] == base[::2], "k = 0 on every step must give plain decoding's greedy output"
+    assert r["plain_drafts"] == 0, f"k = 0 on every step drafted {r['plain_drafts']} tokens"
     for i in range(0, len(prompts), 2):
         assert spec[i] == base[i], f"greedy request {i} changed under adaptive speculation"
     assert all(len(t) == 40 for t in spec)
@@ -231,3 +247,22 @@ def test_a_larger_batch_still_measures_full_speculation_that_may_pay():
     ctl = AdaptiveSpeculation(K)
     _feed(ctl, 1, lambda k: 0.07 + 0.002 * k, accept_prob=0.9)
     assert ctl.choose(16, K) == K
+
+
+def test_one_cheap_probe_does_not_jump_to_full_speculation():
+    # Full K was skipped at batch 4 (batch 2 shows it cannot pay); the first probe of one
+    # draft happens to cost no more than a plain step. A straight line through those two
+    # points says any k is free, but k may only grow one past the largest k measured.
+    ctl = AdaptiveSpeculation(K)
+    assert _mode(_feed(ctl, 2, lambda k: 0.064 * (1 + 0.5 * k), accept_prob=0.3)) == 0
+    first_probe = [True]
+
+    def cost(k):
+        if k == 1 and first_probe[0]:
+            first_probe[0] = False
+            return 0.1
+        return 0.1 * (1 + 0.5 * k)
+
+    chosen = _feed(ctl, 4, cost, accept_prob=0.5, steps=300)
+    assert 1 in chosen  # the cheap probe happened
+    assert max(chosen) <= 3, chosen

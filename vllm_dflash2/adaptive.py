@@ -18,7 +18,9 @@ it re-measure the baseline from scratch (that many plain steps). Seen on the CPU
 backend: with its plain cost resting on one step, batch 2 at T = 1 drafted 3-4
 tokens for ~50 steps at ~0.85x plain decoding (acceptance ~0.35 could never pay).
 A new batch size starts with one step of full K, unless a smaller batch size already
-shows that full K cannot pay (see ``_cannot_pay_below``).
+shows that full K cannot pay (see ``_cannot_pay_below``); then k climbs from the
+probes, at most one past the largest k measured at that batch size, since a line
+through two noisy points can make every k look free.
 
 Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
 median of the last ``window`` measurements of that (batch bucket, k), and k > 0
@@ -96,6 +98,7 @@ class AdaptiveSpeculation:
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
         self._probes: dict[int, _Probes] = {}
+        self.chosen: dict[int, dict[int, int]] = {}  # bucket -> k -> steps (for reports)
 
     @property
     def accept(self) -> list[float]:
@@ -161,6 +164,12 @@ class AdaptiveSpeculation:
         return False
 
     def choose(self, batch_size: int, k_limit: int | None = None) -> int:
+        k = self._choose(batch_size, k_limit)
+        counts = self.chosen.setdefault(bucket(batch_size), {})
+        counts[k] = counts.get(k, 0) + 1
+        return k
+
+    def _choose(self, batch_size: int, k_limit: int | None) -> int:
         top = self.max_k if k_limit is None else max(0, min(self.max_k, k_limit))
         if top == 0:
             return 0
@@ -175,11 +184,14 @@ class AdaptiveSpeculation:
             return 0
         # Once per step: the medians and the acceptance curve, then E(k) / T(b, k) for every k.
         costs, accept = self._costs(b), self.accept
+        # k climbs at most one past the largest k measured here: a line through noisy
+        # points (one cheap probe of k = 1) can make every k look free.
+        reach = min(top, max(costs) + 1)
         rates = []
-        for k in range(top + 1):
+        for k in range(reach + 1):
             cost = self.estimated_cost(batch_size, k, costs)
             rates.append(0.0 if cost is None else self.expected_tokens(k, accept) / cost)
-        best = max(range(top + 1), key=rates.__getitem__)
+        best = max(range(reach + 1), key=rates.__getitem__)
         if best and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1
@@ -206,4 +218,5 @@ class AdaptiveSpeculation:
     def snapshot(self) -> dict:
         return {"accept": list(self.accept),
                 "cost_ms": {b: {k: v * 1e3 for k, v in sorted(c.items())}
-                            for b, c in sorted(self.cost.items())}}
+                            for b, c in sorted(self.cost.items())},
+                "chosen": {b: dict(sorted(c.items())) for b, c in sorted(self.chosen.items())}}
