@@ -266,3 +266,14 @@ def test_one_cheap_probe_does_not_jump_to_full_speculation():
     chosen = _feed(ctl, 4, cost, accept_prob=0.5, steps=300)
     assert 1 in chosen  # the cheap probe happened
     assert max(chosen) <= 3, chosen
+
+
+def test_report_counts_match_what_was_chosen_and_measured():
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 4, lambda k: 0.1 * (1 + 0.1 * k), accept_prob=0.5, steps=120)
+    snap = ctl.snapshot()
+    b = bucket(4)
+    assert sum(snap["chosen"][b].values()) == len(chosen)
+    assert snap["chosen"][b] == {k: chosen.count(k) for k in set(chosen)}
+    for k, ms in snap["mean_ms"][b].items():  # constant cost per k: mean == that cost
+        assert ms == pytest.approx(100 * (1 + 0.1 * k))

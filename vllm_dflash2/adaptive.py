@@ -98,7 +98,11 @@ class AdaptiveSpeculation:
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
         self._probes: dict[int, _Probes] = {}
-        self.chosen: dict[int, dict[int, int]] = {}  # bucket -> k -> steps (for reports)
+        # For reports only: chosen k, all-time step count and seconds per (bucket, k), and
+        # drafted / accepted tokens per bucket.
+        self.chosen: dict[int, dict[int, int]] = {}
+        self.totals: dict[int, dict[int, list]] = {}
+        self.accepted_by_bucket: dict[int, list[int]] = {}
 
     @property
     def accept(self) -> list[float]:
@@ -109,10 +113,15 @@ class AdaptiveSpeculation:
         return out
 
     # -- measurements ------------------------------------------------------------
-    def observe_acceptance(self, k_used: int, accepted: list[int]) -> None:
+    def observe_acceptance(self, k_used: int, accepted: list[int],
+                           batch_size: int | None = None) -> None:
         """accepted[r]: drafts of request r accepted in a step that drafted k_used."""
         if k_used <= 0 or not accepted:
             return
+        if batch_size is not None:  # per bucket, for reports: drafts and accepted tokens
+            seen = self.accepted_by_bucket.setdefault(bucket(batch_size), [0, 0])
+            seen[0] += k_used * len(accepted)
+            seen[1] += sum(accepted)
         for j in range(min(k_used, self.max_k)):
             self.hits[j] = self.accept_decay * self.hits[j] + sum(1 for a in accepted if a > j)
             self.trials[j] = self.accept_decay * self.trials[j] + len(accepted)
@@ -123,6 +132,9 @@ class AdaptiveSpeculation:
         if recent and seconds > self.idle_factor * median(recent):
             return  # the engine sat idle between two steps: not a step cost
         recent.append(seconds)
+        total = self.totals.setdefault(bucket(batch_size), {}).setdefault(k_used, [0, 0.0])
+        total[0] += 1
+        total[1] += seconds
 
     def _costs(self, b: int) -> dict[int, float]:
         """k -> seconds per step in bucket ``b`` (median of the recent measurements)."""
@@ -219,4 +231,7 @@ class AdaptiveSpeculation:
         return {"accept": list(self.accept),
                 "cost_ms": {b: {k: v * 1e3 for k, v in sorted(c.items())}
                             for b, c in sorted(self.cost.items())},
-                "chosen": {b: dict(sorted(c.items())) for b, c in sorted(self.chosen.items())}}
+                "chosen": {b: dict(sorted(c.items())) for b, c in sorted(self.chosen.items())},
+                "mean_ms": {b: {k: t / n * 1e3 for k, (n, t) in sorted(c.items())}
+                            for b, c in sorted(self.totals.items())},
+                "drafted_accepted": dict(sorted(self.accepted_by_bucket.items()))}

@@ -67,7 +67,7 @@ class DFlash2Proposer(DFlashProposer):
             num_drafts, valid = verified
             valid = valid.tolist()
             accepted = [v - 1 for n, v in zip(num_drafts, valid) if n > 0 and v > 0]
-            self.adaptive.observe_acceptance(k_prev, accepted)
+            self.adaptive.observe_acceptance(k_prev, accepted, len(num_drafts))
         # Steps that carried a prefill chunk cost more than a decode step: skip them.
         if t_prev is not None and cad.max_query_len <= k_prev + 1:
             self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev)
