@@ -104,7 +104,6 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
     from vllm import SamplingParams
 
     from vllm_dflash2.profiling import adaptive_state
-
     from vllm_dflash2.testing import spec_decode_counts
 
     chats = [[{"role": "user", "content": p}] for p in prompts]

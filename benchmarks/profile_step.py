@@ -168,7 +168,7 @@ def main():
     # Every column's engine is up at once and each round measures them one after the
     # other, the order reversed every round: a slow spell of this shared machine then
     # lands on all columns alike, and the cost ratios are medians of per-round ratios.
-    max_k = max(args.k)
+    max_k = max(args.k) or 7  # the K of a k = 0 engine when no other -k is given
     columns = [None, *args.k]  # None: no speculation
     engines = {c: start(target, None if c is None else drafter, c or 0, args.dtype, args.compile,
                         max_k=max_k) for c in columns}

@@ -117,7 +117,8 @@ class _FixedK:
     def choose(self, batch_size: int, k_limit: int | None = None) -> int:
         return self.k if k_limit is None else min(self.k, k_limit)
 
-    def observe_acceptance(self, k_used: int, accepted: list[int]) -> None:
+    def observe_acceptance(self, k_used: int, accepted: list[int],
+                           batch_size: int | None = None) -> None:
         pass
 
     def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
