@@ -19,23 +19,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from statistics import median
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def waves(method: str, args, chats) -> list[dict]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from bench_e2e import spec_config
+    from bench_e2e import offline_engine
 
-    spec, adaptive = spec_config(method, args)
-    os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive  # read by the worker it spawns
-    llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
-              gpu_memory_utilization=0.3, seed=0, speculative_config=spec,
-              max_num_seqs=max(args.concurrency), disable_log_stats=False)
+    llm = offline_engine(method, args, chats)  # bench_e2e's engine for that method, warmed up
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     out = []
     for c in args.concurrency:
         for r in range(args.rounds):
@@ -52,6 +48,20 @@ def waves(method: str, args, chats) -> list[dict]:
     del llm
     gc.collect()
     return out
+
+
+def summarize(rows: list[dict], methods: list[str], concurrency: list[int]) -> dict:
+    """Per method and c: the median and largest finish spread, and the mean wave time."""
+    summary = {}
+    for m in methods:
+        for c in concurrency:
+            waves_mc = [w for w in rows if w["method"] == m and w["c"] == c]
+            spreads = [w["finish_spread_s"] for w in waves_mc]
+            summary[f"{m} c={c}"] = {
+                "median_finish_spread_s": round(median(spreads), 3),
+                "max_finish_spread_s": max(spreads),
+                "mean_wave_s": round(sum(w["finish_s"][-1] for w in waves_mc) / len(waves_mc), 3)}
+    return summary
 
 
 def main():
@@ -78,14 +88,7 @@ def main():
     args.dflash_drafter = None
     chats = [[{"role": "user", "content": p}] for p in load_prompts()]
     rows = [w for m in args.methods for w in waves(m, args, chats)]
-    summary = {}
-    for m in args.methods:
-        for c in args.concurrency:
-            spreads = sorted(w["finish_spread_s"] for w in rows if w["method"] == m and w["c"] == c)
-            lasts = [w["finish_s"][-1] for w in rows if w["method"] == m and w["c"] == c]
-            summary[f"{m} c={c}"] = {"median_finish_spread_s": spreads[len(spreads) // 2],
-                                     "max_finish_spread_s": spreads[-1],
-                                     "mean_wave_s": round(sum(lasts) / len(lasts), 3)}
+    summary = summarize(rows, args.methods, args.concurrency)
     config = {k: v for k, v in vars(args).items() if k not in ("target", "drafter", "out")}
     config |= {"target": Path(args.target).name, "drafter": Path(args.drafter).name,
                "env": benchmark_env()}
