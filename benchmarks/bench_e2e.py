@@ -1,9 +1,18 @@
 """End-to-end speed: no speculation vs ngram vs DFlash (v1) vs DFlash2, on real vLLM.
 
-Offline (``LLM.generate`` with ``c`` requests in flight) and served (our server on
-127.0.0.1 driven by ``vllm bench serve --max-concurrency c``), greedy and temperature 1,
-held-out prompts (``examples/prompts``), every request ``--max-tokens`` long
-(``ignore_eos``) so concurrency stays ``c`` for the whole run. Methods:
+Offline (the engine's own request loop) and served (our server on 127.0.0.1 driven by
+``vllm bench serve --max-concurrency c``), greedy and temperature 1, held-out prompts
+(``examples/prompts``), every request ``--max-tokens`` long (``ignore_eos``).
+
+Concurrency c means c requests in flight all the time (``--load sustained``, the default):
+offline, a new request starts as soon as one finishes, and the clock stops once
+``c * --max-tokens * --waves`` output tokens are out; the requests still running are
+aborted, so the drain at the end (fewer than c in flight) is never timed. Served,
+``vllm bench serve`` sends ``4 c`` requests, so its drain is at most a fifth of the run.
+``--load wave`` times one wave of c requests started together until the last one ends
+(how the README's older tables were measured). With speculation the requests of a wave
+finish apart and the last ones run on at a smaller batch (``benchmarks/wave_spread.py``),
+so a wave measures its slowest request, not c-way throughput. Methods:
 
   no_spec           the target alone
   ngram             vLLM's prompt-lookup drafter, K tokens
@@ -64,7 +73,10 @@ def load_prompts() -> list[str]:
 # Every method's engine (or server) is started first; then each point (temperature,
 # concurrency) is measured method after method, round after round, the order reversed
 # every other round. On a shared, drifting machine the methods of one point are then
-# measured minutes apart at most, not a whole method's run apart. Idle vLLM engines sleep.
+# measured minutes apart at most, not a whole method's run apart. An engine's workers keep
+# spinning for a second after their last step (vLLM's shared-memory queue busy-loops before
+# it sleeps), which on two cores slowed whichever method ran next by 5-10%: every
+# measurement waits ``--settle`` seconds first (untimed).
 def _points(args):
     for temperature in args.temperatures:
         for c in args.concurrency:
@@ -103,30 +115,39 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
     """The rows, and the adaptive controller's final state (chosen k per batch bucket)."""
     from vllm import SamplingParams
 
+    from vllm_dflash2.load import chat_prompts, sustained
     from vllm_dflash2.profiling import adaptive_state
     from vllm_dflash2.testing import spec_decode_counts
 
     chats = [[{"role": "user", "content": p}] for p in prompts]
     engines = {m: offline_engine(m, args, chats) for m in methods}
+    token_prompts = chat_prompts(next(iter(engines.values())), chats)
     acc: dict = {}
     for temperature, c, r in _points(args):
-        batch = [chats[i % len(chats)] for i in range(c)]
         # Unseeded, like served traffic: adaptive speculation keeps the full K while
         # a seeded request is in the batch (seeded outputs must reproduce).
-        params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
-                  for _ in range(c)]
+        def make_params():
+            return SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                  ignore_eos=True)
+
         for m in _order(methods, r):
             llm = engines[m]
+            time.sleep(args.settle)
             d0, a0 = spec_decode_counts(llm)
-            start = time.perf_counter()
-            outs = llm.chat(batch, params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
+            if args.load == "wave":
+                batch = [chats[i % len(chats)] for i in range(c)]
+                start = time.perf_counter()
+                outs = llm.chat(batch, [make_params() for _ in batch], use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            else:
+                run = sustained(llm, token_prompts, make_params, c, c * args.max_tokens * args.waves)
+                tokens, elapsed = run.tokens, run.seconds
             d1, a1 = spec_decode_counts(llm)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0])
             a[0] += tokens
             a[1] += elapsed
-            a[2].append(elapsed / args.max_tokens * 1e3)
+            a[2].append(elapsed * c / tokens * 1e3)  # per request: seconds per output token
             a[3] += d1 - d0
             a[4] += a1 - a0
             print(json.dumps({"offline": m, "T": temperature, "c": c, "round": r,
@@ -174,8 +195,10 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
         for temperature, c, r in _points(args):
             for m in _order(methods, r):
                 name = f"{m}_t{temperature}_c{c}_r{r}.json"
-                res = _bench_serve(urls[m], args, prompt_file, workdir, name, c, c, temperature,
-                                   args.max_tokens)
+                num_prompts = c if args.load == "wave" else 4 * c
+                time.sleep(args.settle)
+                res = _bench_serve(urls[m], args, prompt_file, workdir, name, c, num_prompts,
+                                   temperature, args.max_tokens)
                 drafts = res.get("spec_decode_num_drafts") or 0
                 tau = res.get("spec_decode_acceptance_length")
                 a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0.0, 0])
@@ -263,7 +286,15 @@ def main():
     parser.add_argument("-k", type=int, default=7)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds per point; each round is c requests of every method")
+                        help="rounds per point; each round measures every method once")
+    parser.add_argument("--load", choices=["sustained", "wave"], default="sustained",
+                        help="sustained: c requests in flight all the time (default); "
+                             "wave: c requests started together, timed until the last ends")
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="seconds of quiet before each measurement, so that the engine "
+                             "measured before has stopped spinning")
+    parser.add_argument("--waves", type=int, default=2,
+                        help="sustained offline: time c * max_tokens * waves output tokens")
     parser.add_argument("--served-methods", nargs="+", choices=METHODS, default=None,
                         help="methods for the served mode (default: --methods); every server "
                              "stays up for the whole run, so memory bounds how many")

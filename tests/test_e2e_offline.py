@@ -147,3 +147,27 @@ def test_sampled_and_greedy_mixed_batch(engines):
                                               SamplingParams(temperature=0.0, max_tokens=24,
                                                              ignore_eos=True), use_tqdm=False))
     assert sum(a != b for a, b in zip(greedy_of_sampled, [tokens[i] for i in sampled_idx])) >= 4
+
+
+def test_sustained_load_keeps_c_requests_in_the_engine(engines):
+    """benchmarks/bench_e2e.py's offline load: c requests held until the budget is out."""
+    from vllm import SamplingParams
+
+    from vllm_dflash2.load import sustained
+
+    _, spec = engines
+    c, budget, max_tokens = 3, 40, 8
+
+    def params():
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    run = sustained(spec, _prompts()[:5], params, c, budget)
+    assert run.in_flight == (c, c)  # the engine held exactly c at every step
+    # The clock stops at the step that crosses the budget: one step adds <= K + 1 per request.
+    assert budget <= run.tokens <= budget + c * (K + 1)
+    assert run.finished >= c  # 40 tokens need more than one wave of 3 x 8: slots were refilled
+    assert run.started == run.finished + c  # every finish was replaced; the rest were aborted
+    assert not spec.llm_engine.has_unfinished_requests()
+    # The engine serves normally afterwards.
+    out = spec.generate(_prompts()[:2], params(), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [max_tokens, max_tokens]
