@@ -1,13 +1,14 @@
 """Profile one speculative step on the CPU backend, against a plain decode step.
 
 Runs the default target (SmolLM2-135M-Instruct) without speculation and with a
-drafter, one greedy request at a time, with timers installed in the worker
+drafter, one greedy request at a time (``--batch B``: B requests together), with timers
+installed in the worker
 (``vllm_dflash2.profiling``), and prints the per-step split: target verification,
 context K/V, draft forward (per layer: conv, attention, MLP), candidates and
 selector, rejection sampling, worker bookkeeping, engine/scheduler/IPC.
 
     python benchmarks/profile_step.py [--drafter DIR] [--dtype float32] [-k 7 3] [--compile]
-                                      [--rounds 3]
+                                      [--rounds 3] [--batch 1]
 
 Speculative runs use a fixed K (adaptive speculation off), one run per ``-k`` value;
 ``-k 0`` runs a speculative engine (K = the largest ``-k``) whose adaptive controller
@@ -68,8 +69,9 @@ def start(target, drafter, k, dtype, compile_, extra=None, max_k=7):
     return llm
 
 
-def measure(llm, max_tokens) -> dict:
-    """One round on one engine: every prompt once, one request at a time (batch 1)."""
+def measure(llm, max_tokens, batch: int = 1) -> dict:
+    """One round on one engine: every prompt once, one request at a time (batch 1), or
+    one wave of ``batch`` requests (the prompts cycled)."""
     from vllm import SamplingParams
 
     from vllm_dflash2 import profiling
@@ -79,11 +81,14 @@ def measure(llm, max_tokens) -> dict:
     d0, a0 = spec_decode_counts(llm)
     llm.collective_rpc(profiling.reset)
     wall, tokens = 0.0, 0
-    for p in PROMPTS:
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    waves = [[c] for c in chats] if batch == 1 else [
+        [chats[i % len(chats)] for i in range(batch)]]
+    for wave in waves:
         t0 = time.perf_counter()
-        out = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)
+        out = llm.chat(wave, sp, use_tqdm=False)
         wall += time.perf_counter() - t0
-        tokens += len(out[0].outputs[0].token_ids)
+        tokens += sum(len(o.outputs[0].token_ids) for o in out)
     timers = llm.collective_rpc(profiling.read)[0]
     d1, a1 = spec_decode_counts(llm)
     return {"wall": wall, "tokens": tokens, "timers": timers, "drafts": d1 - d0,
@@ -157,6 +162,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="vLLM's torch.compile (default: eager)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all columns")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="requests per step (default 1: one request at a time)")
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
     args = parser.parse_args()
 
@@ -175,7 +182,7 @@ def main():
     rounds = {c: [] for c in columns}
     for r in range(args.rounds):
         for c in (columns if r % 2 == 0 else columns[::-1]):
-            rounds[c].append(measure(engines[c], args.max_tokens))
+            rounds[c].append(measure(engines[c], args.max_tokens, args.batch))
     del engines
     gc.collect()
     base = summarize(rounds[None])
