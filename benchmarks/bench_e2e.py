@@ -19,6 +19,9 @@ so a wave measures its slowest request, not c-way throughput. Methods:
   dflash_v1         upstream DFlash (v1), a plain DFlash drafter from our pipeline, K tokens
   dflash2           DFlash2 with the shipped drafter, fixed K (VLLM_DFLASH2_ADAPTIVE=0)
   dflash2_adaptive  the same with adaptive speculation (the default)
+  dflash2_k0        offline only, not in the default set: the adaptive engine with its
+                    controller forced to draft nothing, i.e. what keeping the drafter's
+                    context costs; adaptive's gap to it is what its choices cost or gain
 
     python benchmarks/bench_e2e.py --dflash-drafter DIR [--mode offline|served|both]
 
@@ -47,6 +50,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the con
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["no_spec", "ngram", "dflash_v1", "dflash2", "dflash2_adaptive"]
+DIAGNOSTIC = ["dflash2_k0"]  # offline only: forced through the engine's worker RPC
 
 
 def spec_config(method: str, args) -> tuple[dict | None, str]:
@@ -59,7 +63,7 @@ def spec_config(method: str, args) -> tuple[dict | None, str]:
                 "prompt_lookup_min": 2, "prompt_lookup_max": 5}, "0"
     if method == "dflash_v1":
         return {"method": "dflash", "model": args.dflash_drafter, "num_speculative_tokens": k}, "0"
-    adaptive = "1" if method == "dflash2_adaptive" else "0"
+    adaptive = "1" if method in ("dflash2_adaptive", "dflash2_k0") else "0"
     return {"method": "dflash", "model": args.drafter, "num_speculative_tokens": k}, adaptive
 
 
@@ -107,6 +111,10 @@ def offline_engine(method: str, args, chats):
               gpu_memory_utilization=0.3, seed=0, speculative_config=spec,
               max_num_seqs=max(args.concurrency), disable_log_stats=False)
     keep_own_metrics(llm)  # several engines live at once: read each one's own counters
+    if method == "dflash2_k0":
+        from vllm_dflash2.profiling import force_k
+
+        llm.collective_rpc(force_k, args=(0,))
     llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     return llm
 
@@ -141,7 +149,10 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
                 elapsed = time.perf_counter() - start
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             else:
-                run = sustained(llm, token_prompts, make_params, c, c * args.max_tokens * args.waves)
+                # Each round starts further along the prompts (every method alike), so
+                # that small c does not rest on the same two or three prompts every round.
+                run = sustained(llm, token_prompts, make_params, c, c * args.max_tokens * args.waves,
+                                first=r * c * args.waves)
                 tokens, elapsed = run.tokens, run.seconds
             d1, a1 = spec_decode_counts(llm)
             a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0])
@@ -160,13 +171,14 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
 
 
 # -- served --------------------------------------------------------------------
-def _bench_serve(url, args, prompt_file, workdir, name, c, num_prompts, temperature, max_tokens):
+def _bench_serve(url, args, prompt_file, workdir, name, c, num_prompts, temperature, max_tokens,
+                 seed=0):
     cli = os.path.join(os.path.dirname(sys.executable), "vllm-dflash2")  # the venv's, even unactivated
     cmd = [cli, "bench", "serve", "--backend", "openai", "--base-url", url,
            "--model", "target", "--tokenizer", args.target, "--dataset-name", "custom",
            "--dataset-path", str(prompt_file), "--custom-output-len", str(max_tokens),
            "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
-           "--temperature", str(temperature), "--seed", "0", "--save-result",
+           "--temperature", str(temperature), "--seed", str(seed), "--save-result",
            "--result-dir", str(workdir), "--result-filename", name]
     with open(workdir / f"bench_{name}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=log)
@@ -197,8 +209,10 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
                 name = f"{m}_t{temperature}_c{c}_r{r}.json"
                 num_prompts = c if args.load == "wave" else 4 * c
                 time.sleep(args.settle)
+                # The seed picks which prompts (shuffled) a round sends: one subset per
+                # round, the same for every method.
                 res = _bench_serve(urls[m], args, prompt_file, workdir, name, c, num_prompts,
-                                   temperature, args.max_tokens)
+                                   temperature, args.max_tokens, seed=r)
                 drafts = res.get("spec_decode_num_drafts") or 0
                 tau = res.get("spec_decode_acceptance_length")
                 a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0.0, 0])
@@ -280,7 +294,7 @@ def main():
     parser.add_argument("--drafter", help="DFlash2 drafter (default: the shipped one)")
     parser.add_argument("--dflash-drafter", help="plain DFlash drafter (same pipeline, same data)")
     parser.add_argument("--mode", choices=["offline", "served", "both"], default="both")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + DIAGNOSTIC)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("-k", type=int, default=7)
@@ -325,7 +339,8 @@ def main():
             offline, controller = run_offline(methods, args, prompts)
             rows += offline
         if args.mode in ("served", "both"):
-            served = [m for m in (args.served_methods or methods) if m in methods]
+            served = [m for m in (args.served_methods or methods)
+                      if m in methods and m not in DIAGNOSTIC]
             rows += run_served(served, args, prompt_file, workdir)
     add_speedups(rows)
     out = Path(args.out)

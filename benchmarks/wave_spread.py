@@ -1,7 +1,8 @@
 """How far apart the requests of one offline wave finish, with and without speculation.
 
-bench_e2e measures each concurrency c as one wave: c requests of the same length started
-together, timed until the last one ends. Plain decoding finishes them all on the same step;
+``bench_e2e.py --load wave`` measures each concurrency c as one wave: c requests of the same
+length started together, timed until the last one ends (its default, ``--load sustained``,
+keeps c in flight instead). Plain decoding finishes them all on the same step;
 with speculation each request advances by its own accepted tokens, so they finish apart and
 the last ones run on at a smaller batch. This prints and records, per wave, when each
 request got its first token and when it finished (vLLM's own per-request timestamps).

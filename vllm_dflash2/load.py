@@ -27,10 +27,11 @@ class SustainedRun:
 
 
 def sustained(llm, prompts: list, make_params: Callable, concurrency: int,
-              budget: int) -> SustainedRun:
+              budget: int, first: int = 0) -> SustainedRun:
     """Keep ``concurrency`` requests in the engine until ``budget`` output tokens are out.
 
-    ``prompts`` cycle (anything ``LLMEngine.add_request`` takes, e.g. token-id prompts);
+    ``prompts`` cycle from index ``first`` (anything ``LLMEngine.add_request`` takes, e.g.
+    token-id prompts; runs that should see different prompts pass different ``first``);
     ``make_params()`` gives each request its ``SamplingParams``. A finished request is
     replaced before the next engine step. The clock stops at the step that reaches the
     budget; the requests still running then are aborted and drained untimed, so the
@@ -46,7 +47,7 @@ def sustained(llm, prompts: list, make_params: Callable, concurrency: int,
 
     def add() -> None:
         rid = f"sustained-{next(_ids)}"
-        engine.add_request(rid, prompts[len(emitted) % len(prompts)], make_params())
+        engine.add_request(rid, prompts[(first + len(emitted)) % len(prompts)], make_params())
         emitted[rid] = 0
 
     lo, hi = concurrency, 0
