@@ -1,7 +1,8 @@
 """Profile one speculative step on the CPU backend, against a plain decode step.
 
 Runs the default target (SmolLM2-135M-Instruct) without speculation and with a
-drafter, one greedy request at a time (``--batch B``: B requests together), with timers
+drafter, one greedy request at a time (``--batch B``: B requests together;
+``--temperature``: sampled instead), with timers
 installed in the worker
 (``vllm_dflash2.profiling``), and prints the per-step split: target verification,
 context K/V, draft forward (per layer: conv, attention, MLP), candidates and
@@ -69,7 +70,7 @@ def start(target, drafter, k, dtype, compile_, extra=None, max_k=7):
     return llm
 
 
-def measure(llm, max_tokens, batch: int = 1) -> dict:
+def measure(llm, max_tokens, batch: int = 1, temperature: float = 0.0) -> dict:
     """One round on one engine: every prompt once, one request at a time (batch 1), or
     one wave of ``batch`` requests (the prompts cycled)."""
     from vllm import SamplingParams
@@ -77,7 +78,7 @@ def measure(llm, max_tokens, batch: int = 1) -> dict:
     from vllm_dflash2 import profiling
     from vllm_dflash2.testing import spec_decode_counts
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     d0, a0 = spec_decode_counts(llm)
     llm.collective_rpc(profiling.reset)
     wall, tokens = 0.0, 0
@@ -162,6 +163,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="vLLM's torch.compile (default: eager)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all columns")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the measured requests (default greedy)")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests per step (default 1: one request at a time)")
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
@@ -182,7 +185,7 @@ def main():
     rounds = {c: [] for c in columns}
     for r in range(args.rounds):
         for c in (columns if r % 2 == 0 else columns[::-1]):
-            rounds[c].append(measure(engines[c], args.max_tokens, args.batch))
+            rounds[c].append(measure(engines[c], args.max_tokens, args.batch, args.temperature))
     del engines
     gc.collect()
     base = summarize(rounds[None])
