@@ -1,15 +1,14 @@
 """Profile one speculative step on the CPU backend, against a plain decode step.
 
 Runs the default target (SmolLM2-135M-Instruct) without speculation and with a
-drafter, one greedy request at a time (``--batch B``: B requests together;
-``--temperature``: sampled instead), with timers
-installed in the worker
+drafter, one greedy request at a time (``--batch B``: one wave of B requests;
+``--temperature T``: sampled), with timers installed in the worker
 (``vllm_dflash2.profiling``), and prints the per-step split: target verification,
 context K/V, draft forward (per layer: conv, attention, MLP), candidates and
 selector, rejection sampling, worker bookkeeping, engine/scheduler/IPC.
 
     python benchmarks/profile_step.py [--drafter DIR] [--dtype float32] [-k 7 3] [--compile]
-                                      [--rounds 3] [--batch 1]
+                                      [--rounds 3] [--batch 1] [--temperature 0]
 
 Speculative runs use a fixed K (adaptive speculation off), one run per ``-k`` value;
 ``-k 0`` runs a speculative engine (K = the largest ``-k``) whose adaptive controller
