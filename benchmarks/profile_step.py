@@ -196,6 +196,7 @@ def main():
 
     result = {
         "config": vars(args) | {"target": Path(target).name, "drafter": Path(drafter).name,
+                                "out": Path(args.out).name,  # no machine paths in results
                                 "threads": os.cpu_count(), "env": profiling.benchmark_env()},
         "no_spec": base | {"split_ms": split(base)},
         "dflash2": {str(k): r | {"split_ms": split(r),
