@@ -129,7 +129,7 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
 
     chats = [[{"role": "user", "content": p}] for p in prompts]
     engines = {m: offline_engine(m, args, chats) for m in methods}
-    token_prompts = chat_prompts(next(iter(engines.values())), chats)
+    token_prompts = chat_prompts(next(iter(engines.values())), prompts)
     acc: dict = {}
     for temperature, c, r in _points(args):
         # Unseeded, like served traffic: adaptive speculation keeps the full K while

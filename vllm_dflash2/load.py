@@ -72,13 +72,9 @@ def sustained(llm, prompts: list, make_params: Callable, concurrency: int,
     return SustainedRun(total, seconds, len(emitted), len(done), (lo, hi))
 
 
-def chat_prompts(llm, chats: list[list[dict]]) -> list[dict]:
-    """Chats as token-id prompts (the tokenizer's chat template, generation prompt added)."""
+def chat_prompts(llm, prompts: list[str]) -> list[dict]:
+    """User prompts as token-id prompts, through the tokenizer's chat template (as ``LLM.chat``)."""
+    from .train.data import chat_ids
+
     tok = llm.get_tokenizer()
-    out = []
-    for chat in chats:
-        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # newer tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        out.append({"prompt_token_ids": list(ids)})
-    return out
+    return [{"prompt_token_ids": chat_ids(tok, p)} for p in prompts]
