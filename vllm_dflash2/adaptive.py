@@ -127,12 +127,12 @@ class AdaptiveSpeculation:
             self.trials[j] = self.accept_decay * self.trials[j] + len(accepted)
 
     def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
-        recent = self.samples.setdefault(bucket(batch_size), {}).setdefault(
-            k_used, deque(maxlen=self.window))
+        b = bucket(batch_size)
+        recent = self.samples.setdefault(b, {}).setdefault(k_used, deque(maxlen=self.window))
         if recent and seconds > self.idle_factor * median(recent):
             return  # the engine sat idle between two steps: not a step cost
         recent.append(seconds)
-        total = self.totals.setdefault(bucket(batch_size), {}).setdefault(k_used, [0, 0.0])
+        total = self.totals.setdefault(b, {}).setdefault(k_used, [0, 0.0])
         total[0] += 1
         total[1] += seconds
 
