@@ -11,6 +11,26 @@ from vllm_dflash2.checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
 from vllm_dflash2.train.vocab import coverage, rank_tokens, write
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 33])
+def test_candidate_logits_match_the_lm_head_rows(rows):
+    """The candidate head's GEMM (vLLM's prepacked oneDNN on CPU, any number of rows)
+    against its reference: the selected lm_head rows times the hidden states."""
+    from types import SimpleNamespace
+
+    from vllm_dflash2.model import CandidateVocabHead
+
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 96)
+    ids = torch.randperm(4096)[:1000]
+    head = CandidateVocabHead()
+    head.lm_head = SimpleNamespace(weight=weight)
+    head.candidate_vocab, head._candidate_head, head._candidate_onednn = ids, None, None
+    hidden = torch.randn(rows, 96)
+    expected = hidden @ weight[ids].T
+    torch.testing.assert_close(head.candidate_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head.candidate_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_rank_tokens_takes_frequent_tokens_then_low_ids():
     tokens = torch.tensor([300, 300, 300, 250, 250, 7, 383])
     ids = rank_tokens(tokens, vocab_size=384, size=6)

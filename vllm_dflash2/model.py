@@ -83,8 +83,9 @@ def _onednn_handler(weight: torch.Tensor):
 
     torch's CPU linear re-packs the whole weight on every call once a few rows come in:
     over a 16k-token candidate head, 7 mask rows cost ~8x one row (a GEMV). vLLM packs
-    its own CPU linears once (``dispatch_cpu_unquantized_gemm``); we do the same. One row
-    stays on torch's GEMV, which is as fast.
+    its own CPU linears once (``dispatch_cpu_unquantized_gemm``); we do the same, for one
+    row too: with the weight out of cache, as it is after a target forward, torch's GEMV
+    over the 16k head took 4.0 ms and oneDNN 2.0 ms (fp32, 2-core AVX2).
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -123,7 +124,7 @@ class CandidateVocabHead:
             self.candidate_vocab = ids
             self._candidate_head = self.lm_head.weight.index_select(0, ids).contiguous()
             self._candidate_onednn = _onednn_handler(self._candidate_head)
-        if self._candidate_onednn is not None and hidden_states.shape[0] > 1:
+        if self._candidate_onednn is not None and hidden_states.shape[0] > 0:
             return _onednn_mm(self._candidate_onednn, hidden_states.contiguous())
         return torch.nn.functional.linear(hidden_states, self._candidate_head)
 
