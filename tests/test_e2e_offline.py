@@ -171,3 +171,43 @@ def test_sustained_load_keeps_c_requests_in_the_engine(engines):
     # The engine serves normally afterwards.
     out = spec.generate(_prompts()[:2], params(), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [max_tokens, max_tokens]
+
+
+_IN_PROCESS_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+target, drafter = sys.argv[1], sys.argv[2]
+prompts = [{"prompt_token_ids": [5 + (7 * i + j) % 300 for j in range(3 + 5 * i)]} for i in range(4)]
+sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+kw = dict(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
+          gpu_memory_utilization=0.5, seed=0, disable_log_stats=False)
+base = LLM(**kw)
+want = [list(o.outputs[0].token_ids) for o in base.generate(prompts, sp, use_tqdm=False)]
+del base
+spec = LLM(speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 7}, **kw)
+got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, sp, use_tqdm=False)]
+drafts = sum(m.value for m in spec.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+print("RESULT " + json.dumps({"executor": type(spec.llm_engine.model_executor).__name__,
+                              "identical": got == want, "drafts": drafts}))
+"""
+
+
+def test_in_process_executor_runs_dflash2(tiny_target, tiny_drafter):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (what the demo sets on small machines): engine and
+    worker in one process, our proposer in it, greedy output still the target's. In a
+    child process: the worker binds the OpenMP threads of the process it runs in."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", _IN_PROCESS_SCRIPT, str(tiny_target),
+                           str(tiny_drafter)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["executor"] == "UniProcExecutor"
+    assert result["identical"] is True
+    assert result["drafts"] > 0
