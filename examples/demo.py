@@ -13,10 +13,10 @@ import os
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-# vLLM's CPU binding keeps one core per worker for the engine process, and its worker
-# runs in a process of its own; on a machine this small the worker's GEMMs gain more from
-# every core, and the engine from running the worker in its own process (README, "Speed on
-# the CPU backend").
+# vLLM's CPU binding keeps one core per worker for the engine process, and runs the worker
+# in a process of its own; on a machine this small the worker's GEMMs gain more from every
+# core, and the engine from running the worker in its own process, this one (README, "Speed
+# on the CPU backend").
 if (os.cpu_count() or 0) <= 4:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
