@@ -188,8 +188,11 @@ del base
 spec = LLM(speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 7}, **kw)
 got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, sp, use_tqdm=False)]
 drafts = sum(m.value for m in spec.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+from vllm_dflash2.testing import probe_drafter_class
+[(proposer, model)] = spec.collective_rpc(probe_drafter_class)
 print("RESULT " + json.dumps({"executor": type(spec.llm_engine.model_executor).__name__,
-                              "identical": got == want, "drafts": drafts}))
+                              "identical": got == want, "drafts": drafts,
+                              "drafter": [proposer, model]}))
 """
 
 
@@ -211,3 +214,4 @@ def test_in_process_executor_runs_dflash2(tiny_target, tiny_drafter):
     assert result["executor"] == "UniProcExecutor"
     assert result["identical"] is True
     assert result["drafts"] > 0
+    assert result["drafter"] == ["DFlash2Proposer", "DFlash2ForCausalLM"]
