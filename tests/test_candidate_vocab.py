@@ -27,6 +27,7 @@ def test_candidate_logits_match_the_lm_head_rows(rows):
     head.candidate_vocab, head._candidate_head, head._candidate_onednn = ids, None, None
     hidden = torch.randn(rows, 96)
     expected = hidden @ weight[ids].T
+    # The first call gathers the head and builds its GEMM handle; the second reuses them.
     torch.testing.assert_close(head.candidate_logits(hidden), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(head.candidate_logits(hidden), expected, rtol=1e-4, atol=1e-4)
 

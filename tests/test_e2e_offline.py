@@ -187,8 +187,8 @@ want = [list(o.outputs[0].token_ids) for o in base.generate(prompts, sp, use_tqd
 del base
 spec = LLM(speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 7}, **kw)
 got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, sp, use_tqdm=False)]
-drafts = sum(m.value for m in spec.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
-from vllm_dflash2.testing import probe_drafter_class
+from vllm_dflash2.testing import probe_drafter_class, spec_decode_counts
+drafts, _ = spec_decode_counts(spec)
 [(proposer, model)] = spec.collective_rpc(probe_drafter_class)
 print("RESULT " + json.dumps({"executor": type(spec.llm_engine.model_executor).__name__,
                               "identical": got == want, "drafts": drafts,
