@@ -12,7 +12,9 @@ selector, rejection sampling, worker bookkeeping, engine/scheduler/IPC.
 
 Speculative runs use a fixed K (adaptive speculation off), one run per ``-k`` value;
 ``-k 0`` runs a speculative engine (K = the largest ``-k``) whose adaptive controller
-always chooses k = 0: what adaptive's plain decoding costs over a plain engine.
+always chooses k = 0: what adaptive's plain decoding costs over a plain engine;
+``--k0-direct`` adds the same with the draft context written every step instead of
+deferred (``VLLM_DFLASH2_DEFER_CONTEXT=0``), column ``k=0 direct``.
 All engines are up at once and measured in turn, ``--rounds`` times; step-cost ratios
 are medians of per-round ratios (single runs here move by 5-10%).
 
@@ -49,7 +51,7 @@ def _engine(target, drafter, k, dtype, compile_, extra):
                disable_log_stats=False)
 
 
-def start(target, drafter, k, dtype, compile_, extra=None, max_k=7):
+def start(target, drafter, k, dtype, compile_, extra=None, max_k=7, defer=True):
     """One engine for one column, warmed up, timers installed."""
     from vllm import SamplingParams
 
@@ -59,6 +61,7 @@ def start(target, drafter, k, dtype, compile_, extra=None, max_k=7):
     # Fixed K: adaptive off (the worker reads it at spawn). k = 0 is adaptive's plain
     # decoding inside a speculative engine: a K-token engine whose controller always says 0.
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = "1" if drafter is not None and k == 0 else "0"
+    os.environ["VLLM_DFLASH2_DEFER_CONTEXT"] = "1" if defer else "0"
     llm = _engine(target, drafter, k or max_k, dtype, compile_, extra or {})
     keep_own_metrics(llm)  # several engines live at once: read each one's own counters
     if drafter is not None and k == 0:
@@ -166,8 +169,12 @@ def main():
                         help="sampling temperature of the measured requests (default greedy)")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests per step (default 1: one request at a time)")
+    parser.add_argument("--k0-direct", action="store_true",
+                        help="also k = 0 with the draft context written every step (not deferred)")
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
     args = parser.parse_args()
+    if args.k0_direct and 0 not in args.k:
+        parser.error("--k0-direct compares against the k = 0 column: add 0 to -k")
 
     from vllm_dflash2 import assets, profiling
 
@@ -178,9 +185,11 @@ def main():
     # other, the order reversed every round: a slow spell of this shared machine then
     # lands on all columns alike, and the cost ratios are medians of per-round ratios.
     max_k = max(args.k) or 7  # the K of a k = 0 engine when no other -k is given
-    columns = [None, *args.k]  # None: no speculation
-    engines = {c: start(target, None if c is None else drafter, c or 0, args.dtype, args.compile,
-                        max_k=max_k) for c in columns}
+    direct = "0 direct"
+    columns = [None, *args.k] + ([direct] if args.k0_direct else [])  # None: no speculation
+    engines = {c: start(target, None if c is None else drafter,
+                        0 if c in (None, direct) else c, args.dtype, args.compile,
+                        max_k=max_k, defer=c != direct) for c in columns}
     rounds = {c: [] for c in columns}
     for r in range(args.rounds):
         for c in (columns if r % 2 == 0 else columns[::-1]):
@@ -188,7 +197,8 @@ def main():
     del engines
     gc.collect()
     base = summarize(rounds[None])
-    specs = {k: summarize(rounds[k]) for k in args.k}
+    labels = [*args.k] + ([direct] if args.k0_direct else [])
+    specs = {k: summarize(rounds[k]) for k in labels}
 
     def ratio(k):
         return median(s / b for s, b in zip(specs[k]["ms_per_step_by_round"],
@@ -202,21 +212,21 @@ def main():
         "dflash2": {str(k): r | {"split_ms": split(r),
                                  "step_cost_ratio": ratio(k),
                                  "speedup": r["tokens_per_s"] / base["tokens_per_s"]}
-                    for k, r in specs.items()},
+                    for k, r in specs.items()},  # "0 direct": k = 0, context not deferred
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
     rows_b = result["no_spec"]["split_ms"]
-    cols = {f"K={k}": result["dflash2"][str(k)]["split_ms"] for k in args.k}
+    cols = {f"K={k}": result["dflash2"][str(k)]["split_ms"] for k in labels}
     print(f"\n{'ms per step (' + args.dtype + ')':<46}{'no spec':>10}" + "".join(f"{c:>10}" for c in cols))
     keys = max(cols.values(), key=len)  # a k = 0 column has no draft-layer rows
     for key in keys:
         print(f"{key:<46}{rows_b.get(key, 0.0):>10.2f}"
               + "".join(f"{v.get(key, 0.0):>10.2f}" for v in cols.values()))
     print(f"{'step total (wall)':<46}{base['ms_per_step']:>10.2f}"
-          + "".join(f"{specs[k]['ms_per_step']:>10.2f}" for k in args.k))
-    for k in args.k:
+          + "".join(f"{specs[k]['ms_per_step']:>10.2f}" for k in labels))
+    for k in labels:
         r = result["dflash2"][str(k)]
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         print(f"K={k}: step cost {r['step_cost_ratio']:.2f}x plain decode (median of {args.rounds} "

@@ -45,13 +45,17 @@ from statistics import median
 ENV = "VLLM_DFLASH2_ADAPTIVE"
 
 
-def enabled_from_env(default: bool = True) -> bool:
-    value = os.environ.get(ENV, "1" if default else "0").strip().lower()
+def env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "1" if default else "0").strip().lower()
     if value in ("1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"{ENV}={value!r}: expected one of 1/0, true/false, on/off")
+    raise ValueError(f"{name}={value!r}: expected one of 1/0, true/false, on/off")
+
+
+def enabled_from_env(default: bool = True) -> bool:
+    return env_flag(ENV, default)
 
 
 def bucket(batch_size: int) -> int:

@@ -109,13 +109,17 @@ def adaptive_state(worker) -> dict | None:
 
 
 class _FixedK:
-    """A stand-in controller that always drafts ``k`` (0: plain decoding, draft KV kept)."""
+    """A stand-in controller that drafts ``k`` every step (0: plain decoding, draft KV
+    kept), or, given a list, its entries in turn, one per step."""
 
-    def __init__(self, k: int) -> None:
-        self.k = k
+    def __init__(self, k: int | list[int]) -> None:
+        self.ks = [k] if isinstance(k, int) else list(k)
+        self.step = 0
 
     def choose(self, batch_size: int, k_limit: int | None = None) -> int:
-        return self.k if k_limit is None else min(self.k, k_limit)
+        k = self.ks[self.step % len(self.ks)]
+        self.step += 1
+        return k if k_limit is None else min(k, k_limit)
 
     def observe_acceptance(self, k_used: int, accepted: list[int],
                            batch_size: int | None = None) -> None:
@@ -125,14 +129,24 @@ class _FixedK:
         pass
 
 
-def force_k(worker, k: int) -> None:
+def force_k(worker, k: int | list[int]) -> None:
     """Make an adaptive drafter draft exactly ``k`` every step (measures what k = 0,
-    adaptive's plain decoding inside a speculative engine, costs over a plain engine)."""
+    adaptive's plain decoding inside a speculative engine, costs over a plain engine),
+    or the ks of a list in turn (one sequence shared by greedy and sampled steps)."""
     drafter = worker.model_runner.drafter
     if getattr(drafter, "adaptive", None) is None:
         raise RuntimeError("force_k needs adaptive speculation on (VLLM_DFLASH2_ADAPTIVE=1)")
-    drafter._controllers = {greedy: _FixedK(k) for greedy in (True, False)}
-    drafter.adaptive = drafter._controllers[True]
+    fixed = _FixedK(k)
+    drafter._controllers = {greedy: fixed for greedy in (True, False)}
+    drafter.adaptive = fixed
+
+
+def context_counters(worker) -> dict[str, int]:
+    """How many context rows the proposer deferred, how many batched writes it made,
+    and how many rows are pending now (see DFlash2Proposer._defer_context)."""
+    drafter = worker.model_runner.drafter
+    return {"deferred_rows": drafter.context_rows_deferred,
+            "writes": drafter.context_flushes, "pending_rows": drafter._pending_rows}
 
 
 _TORCH_PROFILER = None
@@ -153,7 +167,8 @@ def torch_profile_stop(worker, row_limit: int = 25) -> str:
 
 
 BENCH_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_DFLASH2_ADAPTIVE",
-             "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+             "VLLM_DFLASH2_DEFER_CONTEXT", "VLLM_CPU_KVCACHE_SPACE",
+             "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 def default_dtype() -> str:

@@ -24,6 +24,19 @@ from .patches import DFLASH2_ARCH
 _SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
 _SEED_MIX = 0x2545F4914F6CDD1D  # spreads (seed, position) pairs over int64
 _PAD_SLOT = -1  # vLLM's PADDING_SLOT_ID: attention backends write no KV for this row
+DEFER_ENV = "VLLM_DFLASH2_DEFER_CONTEXT"
+# Pending context rows above this are written at once (bounds the memory they hold).
+_MAX_PENDING_ROWS = 4096
+
+
+@dataclasses.dataclass
+class _Pending:
+    """Context rows of one k = 0 step whose draft K/V is not written yet."""
+    req_ids: list[str]  # the batch of that step, in row-owner index order
+    owner: torch.Tensor  # [rows] index into req_ids
+    hidden: torch.Tensor  # [rows, A * Ht] the target's aux hidden states
+    positions: torch.Tensor  # [rows]
+    slots: torch.Tensor  # [rows] draft KV slots, as upstream's input kernel computes them
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -51,6 +64,16 @@ class DFlash2Proposer(DFlashProposer):
         self._k_prev = 0
         self._t_prev: float | None = None
         self._verified: tuple[list[int], torch.Tensor] | None = None
+        # Deferred draft context (see _defer_context): k = 0 steps stash their context
+        # rows and write their draft K/V in one batch before the next draft reads it.
+        self._runner = runner
+        self.defer_context = adaptive.env_flag(DEFER_ENV, True)
+        self._pending: list[_Pending] = []
+        self._pending_rows = 0
+        self._batch_ids: list[str] = []
+        self._drafted = False  # did the last proposal draft anything
+        self.context_rows_deferred = 0  # counters, read by tests and benchmarks
+        self.context_flushes = 0
 
     # -- adaptive speculation ----------------------------------------------------
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
@@ -86,6 +109,19 @@ class DFlash2Proposer(DFlashProposer):
                 # verified, and timing-driven k would make reruns differ: keep K.
                 k = num_speculative_tokens
             self._k_prev, self._t_prev = k, now
+        if self.defer_context and self._pending:
+            self._write_context_of_departed()
+        # Rows of a step after one that drafted include rejected drafts (written now and
+        # overwritten later, as upstream does): only steps after a k = 0 step are deferred.
+        drafted_before, self._drafted = self._drafted, k > 0
+        if k == 0 and not drafted_before and self._defer_context(
+                target_token_ids, target_positions, target_hidden_states,
+                common_attn_metadata):
+            self.num_speculative_tokens = 0
+            self._last_draft_probs = None
+            return torch.empty((common_attn_metadata.batch_size(), 0), dtype=torch.int64,
+                               device=self.device)
+        self.flush_context()  # everything pending, before this step writes or reads draft KV
         if k == 0:
             return self._store_context_only(
                 target_token_ids, target_positions, target_hidden_states, next_token_ids,
@@ -153,6 +189,100 @@ class DFlash2Proposer(DFlashProposer):
         # Upstream's first-pass builder stores the context K/V; no query tokens to build.
         self.build_model_inputs_first_pass(0, 0, None)
         return torch.empty((cad.batch_size(), 0), dtype=torch.int64, device=self.device)
+
+    # -- deferred draft context ---------------------------------------------------
+    # At k = 0 the drafter only writes the draft K/V of the step's new context tokens
+    # (fc + hidden norm, then every layer's K/V projection, K-norm and RoPE): ~2-3 ms a
+    # step on the CPU backend, a few % of a plain step, paid on every step that adaptive
+    # speculation decided not to draft. Nothing reads that K/V until the next step that
+    # drafts, so such steps only stash their rows and slots; the rows are written in one
+    # batch (one fc and one K/V projection for many steps) before a step that drafts,
+    # before a step whose rows include rejected drafts, when too many are pending, and,
+    # for one request, as soon as it leaves the batch: its blocks go back to the
+    # scheduler then and may be handed to another request in the same step, whose own
+    # writes come later; finished requests' blocks may also serve later prefix-cache
+    # hits, so their draft K/V must be complete.
+
+    def _defer_context(self, target_token_ids, target_positions, target_hidden_states,
+                       cad) -> bool:
+        """Stash this k = 0 step's context rows instead of writing their draft K/V.
+        False (nothing stashed) where the layout is not the plain one this mirrors of
+        upstream's input kernel (one row per scheduled token, 1-D positions)."""
+        if not self.defer_context:
+            return False
+        if target_positions.dim() != 1 or self._runner is None:
+            return False
+        qsl = cad.query_start_loc_cpu
+        rows = target_token_ids.shape[0]
+        if qsl is None or int(qsl[-1]) != rows:
+            return False
+        req_ids = list(self._runner.input_batch.req_ids)
+        num_reqs = cad.batch_size()
+        if len(req_ids) != num_reqs:
+            return False
+        owner = torch.repeat_interleave(
+            torch.arange(num_reqs, dtype=torch.int64), qsl[1:] - qsl[:-1]
+        ).to(self.device)
+        positions = target_positions[:rows].to(torch.int64)
+        table = cad.block_table_tensor
+        # upstream's context slot: block_table[req, min(pos // bs, cols - 1)] * bs + pos % bs
+        column = (positions // self.block_size).clamp(max=table.shape[1] - 1)
+        slots = table[owner, column].to(torch.int64) * self.block_size + positions % self.block_size
+        self._pending.append(_Pending(req_ids, owner, target_hidden_states[:rows].clone(),
+                                      positions.clone(), slots))
+        self._pending_rows += rows
+        self._batch_ids = req_ids
+        self.context_rows_deferred += rows
+        if self._pending_rows > _MAX_PENDING_ROWS:
+            self.flush_context()
+        return True
+
+    def _write_context_of_departed(self) -> None:
+        """Write now the pending rows of requests that left the batch (finished or
+        preempted): the scheduler may have handed their blocks to another request."""
+        req_ids = self._runner.input_batch.req_ids
+        if req_ids == self._batch_ids:
+            return
+        live = set(req_ids)
+        write, keep = [], []
+        for entry in self._pending:
+            gone = [i for i, r in enumerate(entry.req_ids) if r not in live]
+            if not gone:
+                keep.append(entry)
+                continue
+            departed = torch.isin(entry.owner, torch.tensor(gone, device=entry.owner.device))
+            write.append((entry, departed))
+            rest = ~departed
+            if bool(rest.any()):
+                keep.append(dataclasses.replace(
+                    entry, owner=entry.owner[rest], hidden=entry.hidden[rest],
+                    positions=entry.positions[rest], slots=entry.slots[rest],
+                ))
+        if write:
+            self._store_context_kv(
+                torch.cat([e.hidden[m] for e, m in write]),
+                torch.cat([e.positions[m] for e, m in write]),
+                torch.cat([e.slots[m] for e, m in write]),
+            )
+        self._pending = keep
+        self._pending_rows = sum(e.owner.shape[0] for e in keep)
+        self._batch_ids = list(req_ids)
+
+    def flush_context(self) -> None:
+        """Write the draft K/V of every pending context row."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        self._store_context_kv(
+            torch.cat([e.hidden for e in pending]),
+            torch.cat([e.positions for e in pending]),
+            torch.cat([e.slots for e in pending]),
+        )
+
+    def _store_context_kv(self, hidden, positions, slots) -> None:
+        self.context_flushes += 1
+        model = self.model
+        model.precompute_and_store_context_kv(model.combine_hidden_states(hidden), positions, slots)
 
     def _draft_model(self):
         model = self.model

@@ -1,0 +1,73 @@
+"""Deferred draft context: k = 0 steps stash their context rows and write the draft K/V
+later in one batch. Whatever the timing of those writes, every draft must see exactly
+the draft K/V that writing it step by step gives."""
+
+import gc
+
+import pytest
+import torch
+
+from vllm_dflash2 import profiling
+from vllm_dflash2 import testing as probes
+from vllm_dflash2.proposer import DEFER_ENV
+
+# Steps that draft between runs of k = 0 steps (k = 0 on most steps, as adaptive
+# speculation does at large batch sizes).
+PATTERN = [0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 3]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 384, (n,), generator=g).tolist()
+
+
+def _run(target, drafter, defer: bool) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    env = {"VLLM_DFLASH2_ADAPTIVE": "1", DEFER_ENV: "1" if defer else "0"}
+    # 32-token blocks and at most 3 requests at once: requests leave and join mid-run
+    # and the second wave's prompts hit blocks the first wave filled.
+    llm = probes.tiny_llm(target, drafter, num_speculative_tokens=3, block_size=32,
+                          max_num_seqs=3, env=env)
+    try:
+        first = [_ids(n, seed) for n, seed in ((70, 1), (130, 2), (200, 3), (45, 4))]
+        second = [first[1] + _ids(9, 5), first[2][:100] + _ids(30, 6), _ids(60, 7),
+                  _ids(15, 8)]
+
+        def generate(prompts, lengths):
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                      for n in lengths]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        # Wave 1 drafts nothing: its context K/V is written only when requests leave.
+        llm.collective_rpc(profiling.force_k, args=(0,))
+        outs = generate(first, (12, 30, 20, 25))
+        llm.collective_rpc(profiling.force_k, args=(PATTERN,))
+        assert llm.collective_rpc(probes.record_drafts) == [True]
+        outs += generate(second, (40, 24, 33, 28))
+        [drafts] = llm.collective_rpc(probes.take_recorded_drafts)
+        [counters] = llm.collective_rpc(profiling.context_counters)
+        return {"outs": outs, "drafts": drafts, "counters": counters}
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.e2e
+def test_deferred_context_gives_the_drafts_of_step_by_step_writes(tiny_target, tiny_drafter):
+    deferred = _run(tiny_target, tiny_drafter, defer=True)
+    direct = _run(tiny_target, tiny_drafter, defer=False)
+
+    assert deferred["counters"]["deferred_rows"] > 500  # both waves' prompts and most tokens
+    assert deferred["counters"]["writes"] >= 4
+    assert direct["counters"] == {"deferred_rows": 0, "writes": 0, "pending_rows": 0}
+    assert deferred["outs"] == direct["outs"]
+    a, b = deferred["drafts"], direct["drafts"]
+    assert len(a["tokens"]) > 10 and a["batch"] == b["batch"]
+    # The mask rows' final hidden states attend over every context token's draft K/V:
+    # a missing, stale or misplaced row changes them.
+    torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-4, rtol=1e-4)
+    assert a["tokens"] == b["tokens"]
