@@ -23,7 +23,11 @@ so a wave measures its slowest request, not c-way throughput. Methods:
                     controller forced to draft nothing, i.e. what keeping the drafter's
                     context costs; adaptive's gap to it is what its choices cost or gain
 
-    python benchmarks/bench_e2e.py --dflash-drafter DIR [--mode offline|served|both]
+    python benchmarks/bench_e2e.py [--dflash-drafter DIR] [--mode offline|served|both]
+
+``--dflash-drafter`` defaults to ``benchmarks/drafters/smollm2-135m-instruct-dflash``, the
+plain DFlash twin of the shipped drafter (same command, data and batches), when the
+target is the default one.
 
 All methods' engines (servers) are up together and every point is measured method after
 method, round after round (order reversed every other round), so a drifting machine
@@ -49,6 +53,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the controller's state
 
 ROOT = Path(__file__).resolve().parents[1]
+TWIN = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dflash"
 METHODS = ["no_spec", "ngram", "dflash_v1", "dflash2", "dflash2_adaptive"]
 DIAGNOSTIC = ["dflash2_k0"]  # offline only: forced through the engine's worker RPC
 
@@ -322,6 +327,8 @@ def main():
     from vllm_dflash2.profiling import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
+    if args.target is None and args.dflash_drafter is None and TWIN.is_dir():
+        args.dflash_drafter = str(TWIN)  # trained beside the default drafter, for its target
     args.target = args.target or str(assets.ensure_target())
     args.drafter = args.drafter or str(assets.default_drafter())
     methods = list(args.methods)
