@@ -187,6 +187,10 @@ def main():
     max_k = max(args.k) or 7  # the K of a k = 0 engine when no other -k is given
     direct = "0 direct"
     columns = [None, *args.k] + ([direct] if args.k0_direct else [])  # None: no speculation
+    # start() sets these two per engine; the env above is what the last engine saw.
+    column_env = {str(c): {"VLLM_DFLASH2_ADAPTIVE": "1" if c in (0, direct) else "0",
+                           "VLLM_DFLASH2_DEFER_CONTEXT": "0" if c == direct else "1"}
+                  for c in columns if c is not None}
     engines = {c: start(target, None if c is None else drafter,
                         0 if c in (None, direct) else c, args.dtype, args.compile,
                         max_k=max_k, defer=c != direct) for c in columns}
@@ -207,7 +211,8 @@ def main():
     result = {
         "config": vars(args) | {"target": Path(target).name, "drafter": Path(drafter).name,
                                 "out": Path(args.out).name,  # no machine paths in results
-                                "threads": os.cpu_count(), "env": profiling.benchmark_env()},
+                                "threads": os.cpu_count(), "env": profiling.benchmark_env(),
+                                "column_env": column_env},
         "no_spec": base | {"split_ms": split(base)},
         "dflash2": {str(k): r | {"split_ms": split(r),
                                  "step_cost_ratio": ratio(k),
