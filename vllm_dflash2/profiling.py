@@ -142,11 +142,13 @@ def force_k(worker, k: int | list[int]) -> None:
 
 
 def context_counters(worker) -> dict[str, int]:
-    """How many context rows the proposer deferred, how many batched writes it made,
-    and how many rows are pending now (see DFlash2Proposer._defer_context)."""
+    """How many context rows the proposer deferred, how many batched writes it made and
+    how many rows they wrote, and how many rows are not written yet (see
+    DFlash2Proposer._defer_context)."""
     drafter = worker.model_runner.drafter
     return {"deferred_rows": drafter.context_rows_deferred,
-            "writes": drafter.context_flushes, "pending_rows": drafter._pending_rows}
+            "writes": drafter.context_flushes, "written_rows": drafter.context_rows_written,
+            "unwritten_rows": drafter.unwritten_context_rows()}
 
 
 _TORCH_PROFILER = None

@@ -25,8 +25,10 @@ _SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
 _SEED_MIX = 0x2545F4914F6CDD1D  # spreads (seed, position) pairs over int64
 _PAD_SLOT = -1  # vLLM's PADDING_SLOT_ID: attention backends write no KV for this row
 DEFER_ENV = "VLLM_DFLASH2_DEFER_CONTEXT"
-# Pending context rows above this are written at once (bounds the memory they hold).
-_MAX_PENDING_ROWS = 4096
+# Stashed context rows above this are written at once: bounds the memory they hold
+# (11.5 KB a row for the default drafter in fp32), while 2048-row GEMMs are already
+# as efficient as larger ones.
+_MAX_PENDING_ROWS = 2048
 
 
 @dataclasses.dataclass
@@ -37,6 +39,9 @@ class _Pending:
     hidden: torch.Tensor  # [rows, A * Ht] the target's aux hidden states
     positions: torch.Tensor  # [rows]
     slots: torch.Tensor  # [rows] draft KV slots, as upstream's input kernel computes them
+    # Owners (indices into req_ids) whose rows are not written yet. A departed request's
+    # rows are written and its index dropped here; the rows stay in place, never copied.
+    unwritten: set[int] = dataclasses.field(default_factory=set)
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -74,6 +79,7 @@ class DFlash2Proposer(DFlashProposer):
         self._drafted = False  # did the last proposal draft anything
         self.context_rows_deferred = 0  # counters, read by tests and benchmarks
         self.context_flushes = 0
+        self.context_rows_written = 0
 
     # -- adaptive speculation ----------------------------------------------------
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
@@ -229,7 +235,7 @@ class DFlash2Proposer(DFlashProposer):
         column = (positions // self.block_size).clamp(max=table.shape[1] - 1)
         slots = table[owner, column].to(torch.int64) * self.block_size + positions % self.block_size
         self._pending.append(_Pending(req_ids, owner, target_hidden_states[:rows].clone(),
-                                      positions.clone(), slots))
+                                      positions.clone(), slots, set(range(num_reqs))))
         self._pending_rows += rows
         self._batch_ids = req_ids
         self.context_rows_deferred += rows
@@ -244,28 +250,20 @@ class DFlash2Proposer(DFlashProposer):
         if req_ids == self._batch_ids:
             return
         live = set(req_ids)
-        write, keep = [], []
+        write = []
         for entry in self._pending:
-            gone = [i for i, r in enumerate(entry.req_ids) if r not in live]
-            if not gone:
-                keep.append(entry)
-                continue
-            departed = torch.isin(entry.owner, torch.tensor(gone, device=entry.owner.device))
-            write.append((entry, departed))
-            rest = ~departed
-            if bool(rest.any()):
-                keep.append(dataclasses.replace(
-                    entry, owner=entry.owner[rest], hidden=entry.hidden[rest],
-                    positions=entry.positions[rest], slots=entry.slots[rest],
-                ))
+            gone = [i for i in entry.unwritten if entry.req_ids[i] not in live]
+            if gone:
+                entry.unwritten.difference_update(gone)
+                write.append((entry, _rows_of(entry.owner, gone)))
         if write:
             self._store_context_kv(
                 torch.cat([e.hidden[m] for e, m in write]),
                 torch.cat([e.positions[m] for e, m in write]),
                 torch.cat([e.slots[m] for e, m in write]),
             )
-        self._pending = keep
-        self._pending_rows = sum(e.owner.shape[0] for e in keep)
+        self._pending = [e for e in self._pending if e.unwritten]
+        self._pending_rows = sum(e.owner.shape[0] for e in self._pending)
         self._batch_ids = list(req_ids)
 
     def flush_context(self) -> None:
@@ -273,14 +271,22 @@ class DFlash2Proposer(DFlashProposer):
         if not self._pending:
             return
         pending, self._pending, self._pending_rows = self._pending, [], 0
-        self._store_context_kv(
-            torch.cat([e.hidden for e in pending]),
-            torch.cat([e.positions for e in pending]),
-            torch.cat([e.slots for e in pending]),
-        )
+        parts = []
+        for e in pending:
+            if len(e.unwritten) == len(e.req_ids):  # none of its rows written yet
+                parts.append((e.hidden, e.positions, e.slots))
+            else:
+                m = _rows_of(e.owner, e.unwritten)
+                parts.append((e.hidden[m], e.positions[m], e.slots[m]))
+        self._store_context_kv(*(torch.cat(t) for t in zip(*parts)))
+
+    def unwritten_context_rows(self) -> int:
+        """Deferred rows whose draft K/V is not written yet."""
+        return sum(int(_rows_of(e.owner, e.unwritten).sum()) for e in self._pending)
 
     def _store_context_kv(self, hidden, positions, slots) -> None:
         self.context_flushes += 1
+        self.context_rows_written += hidden.shape[0]
         model = self.model
         model.precompute_and_store_context_kv(model.combine_hidden_states(hidden), positions, slots)
 
@@ -341,6 +347,11 @@ class DFlash2Proposer(DFlashProposer):
             # int64 arithmetic wraps around, which is all a hash input needs.
             seeds[idx] = base * _SEED_MIX + anchor_pos[idx].to(torch.int64)
         return seeds
+
+
+def _rows_of(owner: torch.Tensor, owners) -> torch.Tensor:
+    """Mask of the rows whose owner index is in ``owners``."""
+    return torch.isin(owner, torch.tensor(sorted(owners), dtype=owner.dtype, device=owner.device))
 
 
 def _to_int64(value: int) -> int:
