@@ -42,6 +42,17 @@ def test_no_acceptance_turns_speculation_off():
     assert ctl.expected_tokens(K) == pytest.approx(1.0, abs=0.02)  # prior pseudo-trial left
 
 
+def test_full_k_is_tried_once_even_if_that_step_is_not_measured():
+    # Batch sizes passed through while a burst of requests is prefilled: their steps carry
+    # prefill chunks and are not measured, so "full K not measured yet" stays true.
+    ctl = AdaptiveSpeculation(K)
+    assert ctl.choose(6, K) == K
+    assert [ctl.choose(6, K) for _ in range(20)] == [0] * 20  # unmeasured: plain decoding
+    # Measured plain steps, high acceptance, cheap drafts: k climbs from the probes.
+    chosen = _feed(ctl, 6, lambda k: 0.07 + 0.002 * k, accept_prob=0.95, steps=400)
+    assert _mode(chosen) == K
+
+
 def test_high_acceptance_and_cheap_drafts_use_full_k():
     ctl = AdaptiveSpeculation(K)
     chosen = _feed(ctl, 1, lambda k: 0.07 + 0.002 * k, accept_prob=0.95)

@@ -18,7 +18,11 @@ it re-measure the baseline from scratch (that many plain steps). Seen on the CPU
 backend: with its plain cost resting on one step, batch 2 at T = 1 drafted 3-4
 tokens for ~50 steps at ~0.85x plain decoding (acceptance ~0.35 could never pay).
 A new batch size starts with one step of full K, unless a smaller batch size already
-shows that full K cannot pay (see ``_cannot_pay_below``); then k climbs from the
+shows that full K cannot pay (see ``_cannot_pay_below``), and only once: a step that
+also carries a prefill chunk is not measured, and the batch sizes a burst of arrivals
+passes through may only ever come with one (on the CPU backend a full-K try at batch
+3-4 beside the prefill of a burst of 16 requests took 1.0 s, twice the plain step, and
+came back with every burst); then k climbs from the
 probes, at most one past the largest k measured at that batch size, since a line
 through two noisy points can make every k look free.
 
@@ -101,6 +105,7 @@ class AdaptiveSpeculation:
         self.trials = [0.0] * max_k
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
+        self._tried_full: set[int] = set()  # buckets whose one full-K try is spent
         self._probes: dict[int, _Probes] = {}
         # For reports only: chosen k, all-time step count and seconds per (bucket, k), and
         # drafted / accepted tokens per bucket.
@@ -194,7 +199,9 @@ class AdaptiveSpeculation:
         # A new batch size: measure full speculation once (unless a smaller batch size
         # already shows it cannot pay), then plain decoding a few times (also after a
         # baseline probe cleared it).
-        if not measured.get(top) and not self._cannot_pay_below(b, top):
+        if (not measured.get(top) and b not in self._tried_full
+                and not self._cannot_pay_below(b, top)):
+            self._tried_full.add(b)
             return top
         if len(measured.get(0, ())) < self.baseline_samples:
             return 0
