@@ -43,6 +43,13 @@ class _Pending:
     # rows are written and its index dropped here; the rows stay in place, never copied.
     unwritten: set[int] = dataclasses.field(default_factory=set)
 
+    def rows(self, owners=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden, positions, slots) of the rows of ``owners``; default: the unwritten ones."""
+        if owners is None and len(self.unwritten) == len(self.req_ids):
+            return self.hidden, self.positions, self.slots  # none written yet: no gather
+        m = _rows_of(self.owner, self.unwritten if owners is None else owners)
+        return self.hidden[m], self.positions[m], self.slots[m]
+
 
 class DFlash2Proposer(DFlashProposer):
     def __init__(self, vllm_config, device, runner=None):
@@ -254,14 +261,10 @@ class DFlash2Proposer(DFlashProposer):
         for entry in self._pending:
             gone = [i for i in entry.unwritten if entry.req_ids[i] not in live]
             if gone:
+                write.append(entry.rows(gone))
                 entry.unwritten.difference_update(gone)
-                write.append((entry, _rows_of(entry.owner, gone)))
         if write:
-            self._store_context_kv(
-                torch.cat([e.hidden[m] for e, m in write]),
-                torch.cat([e.positions[m] for e, m in write]),
-                torch.cat([e.slots[m] for e, m in write]),
-            )
+            self._store_context_kv(write)
         self._pending = [e for e in self._pending if e.unwritten]
         self._pending_rows = sum(e.owner.shape[0] for e in self._pending)
         self._batch_ids = list(req_ids)
@@ -271,20 +274,15 @@ class DFlash2Proposer(DFlashProposer):
         if not self._pending:
             return
         pending, self._pending, self._pending_rows = self._pending, [], 0
-        parts = []
-        for e in pending:
-            if len(e.unwritten) == len(e.req_ids):  # none of its rows written yet
-                parts.append((e.hidden, e.positions, e.slots))
-            else:
-                m = _rows_of(e.owner, e.unwritten)
-                parts.append((e.hidden[m], e.positions[m], e.slots[m]))
-        self._store_context_kv(*(torch.cat(t) for t in zip(*parts)))
+        self._store_context_kv([e.rows() for e in pending])
 
     def unwritten_context_rows(self) -> int:
         """Deferred rows whose draft K/V is not written yet."""
         return sum(int(_rows_of(e.owner, e.unwritten).sum()) for e in self._pending)
 
-    def _store_context_kv(self, hidden, positions, slots) -> None:
+    def _store_context_kv(self, parts) -> None:
+        """Write the draft K/V of (hidden, positions, slots) row groups in one batch."""
+        hidden, positions, slots = (torch.cat(t) for t in zip(*parts))
         self.context_flushes += 1
         self.context_rows_written += hidden.shape[0]
         model = self.model
