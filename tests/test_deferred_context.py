@@ -69,15 +69,10 @@ torch.save(_run(sys.argv[2], sys.argv[3], defer=sys.argv[4] == "1"), sys.argv[5]
 
 def _run_in_child(target, drafter, defer: bool, tmp_path) -> dict:
     import os
-    import subprocess
-    import sys
 
     out = tmp_path / f"defer{int(defer)}.pt"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(__file__), str(target),
-                           str(drafter), "1" if defer else "0", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    probes.run_in_process_engine(_CHILD, os.path.dirname(__file__), target, drafter,
+                                 "1" if defer else "0", out)
     return torch.load(out)
 
 

@@ -201,15 +201,9 @@ def test_in_process_executor_runs_dflash2(tiny_target, tiny_drafter):
     worker in one process, our proposer in it, greedy output still the target's. In a
     child process: the worker binds the OpenMP threads of the process it runs in."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", _IN_PROCESS_SCRIPT, str(tiny_target),
-                           str(tiny_drafter)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [line] = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    stdout = probes.run_in_process_engine(_IN_PROCESS_SCRIPT, tiny_target, tiny_drafter)
+    [line] = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     assert result["executor"] == "UniProcExecutor"
     assert result["identical"] is True

@@ -403,6 +403,24 @@ def tiny_llm(target, drafter=None, num_speculative_tokens: int = 7, *, env=None,
     return keep_own_metrics(llm)
 
 
+def run_in_process_engine(script: str, *argv, timeout: float = 600) -> str:
+    """Run ``python -c script *argv`` with engine and worker in that one child process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and return its stdout; fails with the end of
+    its stderr. A child of its own: the worker binds the OpenMP threads of the process it
+    runs in, and vLLM 0.32 could not build a third in-process engine in one process."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, argv)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"in-process engine child exited {proc.returncode}:\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
 def keep_own_metrics(llm):
     """Call right after building ``llm``: its counters stay readable by ``metric_values``.
 
