@@ -125,17 +125,19 @@ def offline_engine(method: str, args, chats):
 
 
 def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict], dict | None]:
-    """The rows, and the adaptive controller's final state (chosen k per batch bucket)."""
+    """The rows, and the adaptive controller's final state (chosen k per batch bucket;
+    with ``--step-record`` also every measurement's per-step record)."""
     from vllm import SamplingParams
 
     from vllm_dflash2.load import chat_prompts, sustained
-    from vllm_dflash2.profiling import adaptive_state
+    from vllm_dflash2.profiling import adaptive_state, step_record
     from vllm_dflash2.testing import spec_decode_counts
 
     chats = [[{"role": "user", "content": p}] for p in prompts]
     engines = {m: offline_engine(m, args, chats) for m in methods}
     token_prompts = chat_prompts(next(iter(engines.values())), prompts)
     acc: dict = {}
+    records = []
     for temperature, c, r in _points(args):
         # Unseeded, like served traffic: adaptive speculation keeps the full K while
         # a seeded request is in the batch (seeded outputs must reproduce).
@@ -146,6 +148,8 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
         for m in _order(methods, r):
             llm = engines[m]
             time.sleep(args.settle)
+            recorded = (args.step_record and m in ("dflash2_adaptive", "dflash2_k0")
+                        and llm.collective_rpc(step_record)[0] is not None)
             d0, a0 = spec_decode_counts(llm)
             if args.load == "wave":
                 batch = [chats[i % len(chats)] for i in range(c)]
@@ -160,6 +164,9 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
                                 first=r * c * args.waves)
                 tokens, elapsed = run.tokens, run.seconds
             d1, a1 = spec_decode_counts(llm)
+            if recorded:  # cleared before the measurement: only its own steps
+                records.append({"method": m, "temperature": temperature, "concurrency": c,
+                                "round": r, "steps": llm.collective_rpc(step_record)[0]})
             a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0])
             a[0] += tokens
             a[1] += elapsed
@@ -170,6 +177,8 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
                               "tok_s": round(tokens / elapsed, 2)}), flush=True)
     adaptive = engines.get("dflash2_adaptive")
     controller = adaptive.collective_rpc(adaptive_state)[0] if adaptive is not None else None
+    if controller is not None and records:
+        controller["step_records"] = records
     del engines, adaptive
     gc.collect()
     return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()], controller
@@ -320,8 +329,13 @@ def main():
     parser.add_argument("--dtype", default=None,
                         help="default: bfloat16 with native bf16 GEMM, else float32 (faster on "
                              "AVX2: see benchmarks/profile_step.py)")
+    parser.add_argument("--step-record", action="store_true",
+                        help="offline: keep the adaptive engines' per-step record (step time, "
+                             "batch, k, accepted) of every measurement in the JSON")
     parser.add_argument("--out", default="benchmarks/results/e2e_cpu")
     args = parser.parse_args()
+    if args.step_record:
+        os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 
     from vllm_dflash2 import assets
     from vllm_dflash2.profiling import benchmark_env, default_dtype

@@ -5,6 +5,7 @@ import gc
 import pytest
 
 from vllm_dflash2.adaptive import ENV, AdaptiveSpeculation, bucket, enabled_from_env
+from vllm_dflash2.proposer import STEP_RECORD_ENV
 
 K = 7
 
@@ -122,6 +123,19 @@ def test_env_switch(monkeypatch):
         enabled_from_env()
 
 
+def test_step_record_length_is_checked(monkeypatch):
+    from vllm_dflash2.proposer import _step_record_length
+
+    monkeypatch.delenv(STEP_RECORD_ENV, raising=False)
+    assert _step_record_length() == 0
+    monkeypatch.setenv(STEP_RECORD_ENV, "500")
+    assert _step_record_length() == 500
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv(STEP_RECORD_ENV, bad)
+        with pytest.raises(ValueError, match=f"{STEP_RECORD_ENV}='{bad}'.*expected"):
+            _step_record_length()
+
+
 @pytest.mark.e2e
 def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch):
     """Variable k per step (including k = 0) inside real vLLM: greedy rows still equal
@@ -135,6 +149,7 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     from vllm_dflash2 import profiling
 
     monkeypatch.setenv(ENV, "1")  # read by the proposer in the worker process
+    monkeypatch.setenv(STEP_RECORD_ENV, "100000")
     g = torch.Generator().manual_seed(1)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
                for n in (1, 4, 17, 60, 130, 9)]
@@ -155,6 +170,8 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
         r = {"outs": [list(o.outputs[0].token_ids)
                       for o in llm.generate(prompts, params, use_tqdm=False)]}
         if spec:
+            r["record"] = llm.collective_rpc(profiling.step_record)[0]
+            r["record_counters"] = counters_of(llm)
             r["state"] = llm.collective_rpc(profiling.adaptive_state)[0]
             r["counters"] = counters_of(llm)
             r["reruns"] = [[list(o.outputs[0].token_ids)
@@ -184,6 +201,14 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     assert {0, K} <= measured_k, measured_k  # full speculation and plain decoding both ran
     # A random drafter is never accepted: most steps must have drafted fewer than K.
     assert counters["vllm:spec_decode_num_draft_tokens"] < K * counters["vllm:spec_decode_num_drafts"]
+    # The step record saw what vLLM's counters saw, and the ks the controller measured.
+    record, seen = r["record"], r["record_counters"]
+    assert sum(s["drafts"] for s in record) == seen["vllm:spec_decode_num_draft_tokens"]
+    assert (sum(s["accepted"] for s in record)
+            == seen["vllm:spec_decode_num_accepted_tokens"])
+    assert {0, K} <= {s["k"] for s in record}
+    assert any(s["measured"] for s in record) and any(not s["measured"] for s in record)
+    assert all(s["seconds"] > 0 and 1 <= s["batch"] <= len(prompts) for s in record)
 
 
 def test_default_depends_on_the_backend(monkeypatch):

@@ -108,6 +108,20 @@ def adaptive_state(worker) -> dict | None:
     return {"cost_ms": cost, "greedy": greedy, "sampled": sampled}
 
 
+def step_record(worker, clear: bool = True) -> list[dict] | None:
+    """The adaptive steps the proposer recorded (``VLLM_DFLASH2_STEP_RECORD=N`` keeps the
+    last N; None when off), oldest first: step wall time, batch size, k drafted, the
+    longest query (a prefill chunk makes it exceed k + 1, and the step unmeasured),
+    drafts and accepted tokens, context rows still deferred. ``clear`` empties it."""
+    record = getattr(getattr(worker.model_runner, "drafter", None), "step_record", None)
+    if record is None:
+        return None
+    out = list(record)
+    if clear:
+        record.clear()
+    return out
+
+
 class _FixedK:
     """A stand-in controller that drafts ``k`` every step (0: plain decoding, draft KV
     kept), or, given a list, its entries in turn, one per step."""

@@ -13,7 +13,9 @@ context K/V, attention metadata, KV cache) is upstream's.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from collections import deque
 
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -25,6 +27,7 @@ _SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
 _SEED_MIX = 0x2545F4914F6CDD1D  # spreads (seed, position) pairs over int64
 _PAD_SLOT = -1  # vLLM's PADDING_SLOT_ID: attention backends write no KV for this row
 DEFER_ENV = "VLLM_DFLASH2_DEFER_CONTEXT"
+STEP_RECORD_ENV = "VLLM_DFLASH2_STEP_RECORD"  # keep the last N adaptive steps (0: off)
 # Stashed context rows above this are written at once: bounds the memory they hold
 # (11.5 KB a row for the default drafter in fp32), while 2048-row GEMMs are already
 # as efficient as larger ones.
@@ -75,6 +78,9 @@ class DFlash2Proposer(DFlashProposer):
             self.adaptive = self._controllers[True]
         self._k_prev = 0
         self._t_prev: float | None = None
+        # What the controller saw, step by step (profiling.step_record reads it).
+        keep = _step_record_length()
+        self.step_record: deque | None = deque(maxlen=keep) if keep else None
         self._verified: tuple[list[int], torch.Tensor] | None = None
         # Deferred draft context (see _defer_context): k = 0 steps stash their context
         # rows and write their draft K/V in one batch before the next draft reads it.
@@ -105,8 +111,17 @@ class DFlash2Proposer(DFlashProposer):
             accepted = [v - 1 for n, v in zip(num_drafts, valid) if n > 0 and v > 0]
             self.adaptive.observe_acceptance(k_prev, accepted, len(num_drafts))
         # Steps that carried a prefill chunk cost more than a decode step: skip them.
-        if t_prev is not None and cad.max_query_len <= k_prev + 1:
+        measured = t_prev is not None and cad.max_query_len <= k_prev + 1
+        if measured:
             self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev)
+        if self.step_record is not None and t_prev is not None:
+            self.step_record.append({
+                "t": now, "seconds": now - t_prev, "batch": cad.batch_size(), "k": k_prev,
+                "max_query_len": cad.max_query_len, "measured": measured,
+                "greedy": self.adaptive is self._controllers[True],
+                "drafts": 0 if verified is None or k_prev == 0 else k_prev * len(accepted),
+                "accepted": 0 if verified is None or k_prev == 0 else sum(accepted),
+                "pending_rows": self._pending_rows})
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -355,3 +370,15 @@ def _rows_of(owner: torch.Tensor, owners) -> torch.Tensor:
 def _to_int64(value: int) -> int:
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _step_record_length() -> int:
+    value = os.environ.get(STEP_RECORD_ENV, "0").strip() or "0"
+    try:
+        keep = int(value)
+    except ValueError:
+        keep = -1
+    if keep < 0:
+        raise ValueError(f"{STEP_RECORD_ENV}={value!r}: expected a number of steps >= 0 "
+                         "(0: no record)")
+    return keep
