@@ -217,14 +217,31 @@ def test_default_depends_on_the_backend(monkeypatch):
     assert enabled_from_env(default=False) is False
 
 
-def test_probes_back_off_while_the_choice_holds():
-    # Batch 16, compute-bound: every draft row costs a plain step, nothing is accepted.
-    ctl = AdaptiveSpeculation(K, explore_every=16, explore_max=128)
-    chosen = _feed(ctl, 16, lambda k: 0.1 * (1 + k), accept_prob=0.0, steps=2000)
+def _probe_gaps(chosen):
     probes = [i for i, k in enumerate(chosen[2:], 2) if k != 0]
-    assert len(probes) <= 20  # gaps 16, 32, 64, 128, 128, ...: not one step in 16
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    return [b - a for a, b in zip(probes, probes[1:])]
+
+
+def test_probes_back_off_while_the_choice_holds():
+    # Batch 4: a draft row costs half a plain step (full acceptance would pay), nothing
+    # is accepted.
+    ctl = AdaptiveSpeculation(K, explore_every=16, explore_max=128)
+    gaps = _probe_gaps(_feed(ctl, 4, lambda k: 0.1 * (1 + 0.5 * k), accept_prob=0.0, steps=2000))
+    assert len(gaps) <= 20  # gaps 16, 32, 64, 128, 128, ...: not one step in 16
     assert gaps == sorted(gaps) and gaps[-1] == 128
+
+
+def test_probes_back_off_further_where_drafting_cannot_pay_at_all():
+    # Batch 16, compute-bound: every draft row costs a plain step, so even full acceptance
+    # gives (1 + k) tokens for (1 + k) steps' cost.
+    ctl = AdaptiveSpeculation(K, explore_every=16, explore_max=128)
+    gaps = _probe_gaps(_feed(ctl, 16, lambda k: 0.1 * (1 + k), accept_prob=1.0, steps=5000))
+    assert gaps == sorted(gaps) and gaps[-1] == 8 * 128
+    assert len(gaps) <= 10
+    # A larger batch size takes the verdict of this one from its first probe on.
+    gaps = _probe_gaps(_feed(ctl, 32, lambda k: 0.2 * (1 + 1.2 * k), accept_prob=1.0,
+                             steps=2000))
+    assert gaps == sorted(gaps) and gaps[-1] > 128
 
 
 def test_probes_still_find_acceptance_that_appears_later():

@@ -8,8 +8,9 @@ E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at th
 current batch size it is switched off. It tries a neighbour of its choice now
 and then so that stale estimates get refreshed: ``explore_every`` steps after the
 choice at a batch size last changed, then at doubling gaps up to ``explore_max``
-steps while the choice holds. A probe at a large batch size costs up to 2x a step
-(verification is compute-bound there), so a fixed 1-in-16 probe alone cost ~4%.
+steps while the choice holds, and up to ``hopeless_gap_factor`` times that where even
+full acceptance could not pay (``_hopeless``). A probe at a large batch size costs up to
+2x a step (verification is compute-bound there), so a fixed 1-in-16 probe alone cost ~4%.
 
 Plain decoding is the baseline every choice is measured against, so its cost is
 never trusted on one step: a new batch size measures ``baseline_samples`` plain
@@ -86,7 +87,8 @@ class AdaptiveSpeculation:
     def __init__(self, max_k: int, explore_every: int = 16, explore_max: int = 128,
                  window: int = 9, baseline_samples: int = 3,
                  accept_decay: float = 0.99, prior_accept: float = 0.7,
-                 idle_factor: float = 4.0, min_gain: float = 0.1):
+                 idle_factor: float = 4.0, min_gain: float = 0.1,
+                 hopeless_gap_factor: int = 8):
         if max_k < 1:
             raise ValueError(f"max_k={max_k}: expected >= 1")
         self.max_k = max_k
@@ -97,6 +99,7 @@ class AdaptiveSpeculation:
         self.accept_decay = accept_decay
         self.idle_factor = idle_factor
         self.min_gain = min_gain
+        self.hopeless_gap_factor = max(1, hopeless_gap_factor)
         # P(first i drafts accepted), i = 1..max_k, as decayed hit/trial counts (a memory
         # of ~1/(1-decay) steps) plus one pseudo-trial of an optimistic prior, so that a
         # position is tried before it is written off and one unlucky step cannot.
@@ -184,6 +187,23 @@ class AdaptiveSpeculation:
                 return self.expected_tokens(k) < (1 + self.min_gain) * costs[k] / costs[0]
         return False
 
+    def _hopeless(self, b: int, top: int) -> bool:
+        """Whether drafting cannot pay at bucket ``b`` even if every draft were accepted:
+        (1 + k) tokens for a step whose cost grows like plain * (1 + a k), where a is the
+        measured extra cost of one draft (at least two k = 1 steps and the baseline, here
+        or at a smaller bucket: verification only gets more compute-bound with the batch).
+        Such a bucket still probes, at long gaps: at batch 5-16 here a k = 1 probe costs
+        ~2 plain steps, 1-1.5% of all steps at 128-step gaps."""
+        for smaller in sorted((x for x in self.samples if x <= b), reverse=True):
+            measured = self.samples[smaller]
+            if len(measured.get(1, ())) < 2 or len(measured.get(0, ())) < self.baseline_samples:
+                continue
+            costs = self._costs(smaller)
+            a = costs[1] / costs[0] - 1
+            best = max((1 + k) / (1 + a * k) for k in {1, top})  # (1+k)/(1+ak) is monotonic
+            return best < 1 + self.min_gain
+        return False
+
     def choose(self, batch_size: int, k_limit: int | None = None) -> int:
         k = self._choose(batch_size, k_limit)
         counts = self.chosen.setdefault(bucket(batch_size), {})
@@ -229,7 +249,9 @@ class AdaptiveSpeculation:
                                                count)
         if step < probes.next_step:
             return best
-        probes.gap = min(2 * probes.gap, self.explore_max)
+        longest = self.explore_max * (self.hopeless_gap_factor
+                                      if best == 0 and self._hopeless(b, top) else 1)
+        probes.gap = min(2 * probes.gap, longest)
         probes.next_step = step + probes.gap
         direction = _PROBE_CYCLE[probes.count % len(_PROBE_CYCLE)]
         probes.count += 1
