@@ -136,9 +136,10 @@ def compact_steps(steps: list[dict]) -> dict:
     return {"step_fields": list(STEP_FIELDS), "steps": rows}
 
 
-def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict], dict | None]:
-    """The rows, and the adaptive controller's final state (chosen k per batch bucket;
-    with ``--step-record`` also every measurement's per-step record)."""
+def run_offline(methods: list[str], args,
+                prompts: list[str]) -> tuple[list[dict], dict | None, list[dict]]:
+    """The rows, the adaptive controller's final state (chosen k per batch bucket), and
+    with ``--step-record`` every adaptive-engine measurement's per-step record."""
     from vllm import SamplingParams
 
     from vllm_dflash2.load import chat_prompts, sustained
@@ -190,11 +191,9 @@ def run_offline(methods: list[str], args, prompts: list[str]) -> tuple[list[dict
                               "tok_s": round(tokens / elapsed, 2)}), flush=True)
     adaptive = engines.get("dflash2_adaptive")
     controller = adaptive.collective_rpc(adaptive_state)[0] if adaptive is not None else None
-    if controller is not None and records:
-        controller["step_records"] = records
     del engines, adaptive
     gc.collect()
-    return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()], controller
+    return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()], controller, records
 
 
 # -- served --------------------------------------------------------------------
@@ -364,13 +363,13 @@ def main():
         methods.remove("dflash_v1")
     prompts = load_prompts()
     rows: list[dict] = []
-    controller = None
+    controller, records = None, []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prompt_file = workdir / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         if args.mode in ("offline", "both"):
-            offline, controller = run_offline(methods, args, prompts)
+            offline, controller, records = run_offline(methods, args, prompts)
             rows += offline
         if args.mode in ("served", "both"):
             served = [m for m in (args.served_methods or methods)
@@ -384,7 +383,6 @@ def main():
                "dflash_drafter": Path(args.dflash_drafter).name if args.dflash_drafter else None,
                "cpus": os.cpu_count(), "prompts": len(prompts), "env": benchmark_env()}
     result = {"config": config, "rows": rows}
-    records = controller.pop("step_records", None) if controller is not None else None
     if controller is not None:  # offline adaptive: what it measured and chose per batch bucket
         result["adaptive_controller"] = controller
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -171,7 +171,6 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
                       for o in llm.generate(prompts, params, use_tqdm=False)]}
         if spec:
             r["record"] = llm.collective_rpc(profiling.step_record)[0]
-            r["record_counters"] = counters_of(llm)
             r["state"] = llm.collective_rpc(profiling.adaptive_state)[0]
             r["counters"] = counters_of(llm)
             r["reruns"] = [[list(o.outputs[0].token_ids)
@@ -202,10 +201,10 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     # A random drafter is never accepted: most steps must have drafted fewer than K.
     assert counters["vllm:spec_decode_num_draft_tokens"] < K * counters["vllm:spec_decode_num_drafts"]
     # The step record saw what vLLM's counters saw, and the ks the controller measured.
-    record, seen = r["record"], r["record_counters"]
-    assert sum(s["drafts"] for s in record) == seen["vllm:spec_decode_num_draft_tokens"]
+    record = r["record"]  # read right before the counters, nothing generated in between
+    assert sum(s["drafts"] for s in record) == counters["vllm:spec_decode_num_draft_tokens"]
     assert (sum(s["accepted"] for s in record)
-            == seen["vllm:spec_decode_num_accepted_tokens"])
+            == counters["vllm:spec_decode_num_accepted_tokens"])
     assert {0, K} <= {s["k"] for s in record}
     # (Whether some recorded step also carried a prefill chunk depends on when the requests
     # reached the engine's process, so only measured steps are required.)

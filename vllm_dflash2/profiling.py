@@ -112,7 +112,7 @@ def step_record(worker, clear: bool = True) -> list[dict] | None:
     """The adaptive steps the proposer recorded (``VLLM_DFLASH2_STEP_RECORD=N`` keeps the
     last N; None when off), oldest first: step wall time, batch size, k drafted, the
     longest query (a prefill chunk makes it exceed k + 1, and the step unmeasured),
-    drafts and accepted tokens, context rows still deferred. ``clear`` empties it."""
+    drafts and accepted tokens, context rows held for deferred writes. ``clear`` empties it."""
     record = getattr(getattr(worker.model_runner, "drafter", None), "step_record", None)
     if record is None:
         return None

@@ -105,6 +105,7 @@ class DFlash2Proposer(DFlashProposer):
     def _observe_verified_step(self, now: float, cad) -> None:
         k_prev, t_prev, verified = self._k_prev, self._t_prev, self._verified
         self._verified = None
+        accepted: list[int] = []  # per verified request with drafts
         if verified is not None and k_prev > 0:
             num_drafts, valid = verified
             valid = valid.tolist()
@@ -119,8 +120,7 @@ class DFlash2Proposer(DFlashProposer):
                 "t": now, "seconds": now - t_prev, "batch": cad.batch_size(), "k": k_prev,
                 "max_query_len": cad.max_query_len, "measured": measured,
                 "greedy": self.adaptive is self._controllers[True],
-                "drafts": 0 if verified is None or k_prev == 0 else k_prev * len(accepted),
-                "accepted": 0 if verified is None or k_prev == 0 else sum(accepted),
+                "drafts": k_prev * len(accepted), "accepted": sum(accepted),
                 "pending_rows": self._pending_rows})
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
