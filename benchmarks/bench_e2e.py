@@ -22,6 +22,8 @@ so a wave measures its slowest request, not c-way throughput. Methods:
   dflash2_k0        offline only, not in the default set: the adaptive engine with its
                     controller forced to draft nothing, i.e. what keeping the drafter's
                     context costs; adaptive's gap to it is what its choices cost or gain
+  METHOD_onednn     offline only, for no_spec, dflash2, dflash2_adaptive: the same with
+                    vLLM's own CPU GEMM (VLLM_DFLASH2_CPU_GEMM=0) instead of our packed one
 
     python benchmarks/bench_e2e.py [--dflash-drafter DIR] [--mode offline|served|both]
 
@@ -55,12 +57,20 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the con
 ROOT = Path(__file__).resolve().parents[1]
 TWIN = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dflash"
 METHODS = ["no_spec", "ngram", "dflash_v1", "dflash2", "dflash2_adaptive"]
-DIAGNOSTIC = ["dflash2_k0"]  # offline only: forced through the engine's worker RPC
+ONEDNN = "_onednn"  # suffix: the method on vLLM's own CPU GEMM (VLLM_DFLASH2_CPU_GEMM=0)
+# Offline only: k = 0 is forced through the engine's worker RPC; *_onednn set the worker's env.
+DIAGNOSTIC = ["dflash2_k0"] + [m + ONEDNN for m in ("no_spec", "dflash2", "dflash2_adaptive")]
+_USER_GEMM = os.environ.get("VLLM_DFLASH2_CPU_GEMM")
+
+
+def base_method(method: str) -> str:
+    return method[: -len(ONEDNN)] if method.endswith(ONEDNN) else method
 
 
 def spec_config(method: str, args) -> tuple[dict | None, str]:
     """(speculative_config, VLLM_DFLASH2_ADAPTIVE) for one method."""
     k = args.k
+    method = base_method(method)
     if method == "no_spec":
         return None, "0"
     if method == "ngram":
@@ -112,6 +122,11 @@ def offline_engine(method: str, args, chats):
 
     spec, adaptive = spec_config(method, args)
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive  # read by the worker it spawns
+    gemm = "0" if method.endswith(ONEDNN) else _USER_GEMM
+    if gemm is None:
+        os.environ.pop("VLLM_DFLASH2_CPU_GEMM", None)
+    else:
+        os.environ["VLLM_DFLASH2_CPU_GEMM"] = gemm
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.3, seed=0, speculative_config=spec,
               max_num_seqs=max(args.concurrency), disable_log_stats=False)
@@ -161,7 +176,7 @@ def run_offline(methods: list[str], args,
         for m in _order(methods, r):
             llm = engines[m]
             time.sleep(args.settle)
-            recorded = (args.step_record and m in ("dflash2_adaptive", "dflash2_k0")
+            recorded = (args.step_record and base_method(m) in ("dflash2_adaptive", "dflash2_k0")
                         and llm.collective_rpc(step_record)[0] is not None)
             d0, a0 = spec_decode_counts(llm)
             if args.load == "wave":

@@ -11,10 +11,12 @@ from vllm_dflash2.checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
 from vllm_dflash2.train.vocab import coverage, rank_tokens, write
 
 
+@pytest.mark.parametrize("gemm", ["1", "0"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 33])
-def test_candidate_logits_match_the_lm_head_rows(rows):
-    """The candidate head's GEMM (vLLM's prepacked oneDNN on CPU, any number of rows)
-    against its reference: the selected lm_head rows times the hidden states."""
+def test_candidate_logits_match_the_lm_head_rows(rows, gemm, monkeypatch):
+    """The candidate head's GEMM (our packed kernel, or vLLM's prepacked oneDNN with
+    VLLM_DFLASH2_CPU_GEMM=0; any number of rows) against its reference: the selected
+    lm_head rows times the hidden states."""
     from types import SimpleNamespace
 
     from vllm_dflash2.model import CandidateVocabHead
@@ -24,7 +26,8 @@ def test_candidate_logits_match_the_lm_head_rows(rows):
     ids = torch.randperm(4096)[:1000]
     head = CandidateVocabHead()
     head.lm_head = SimpleNamespace(weight=weight)
-    head.candidate_vocab, head._candidate_head, head._candidate_onednn = ids, None, None
+    monkeypatch.setenv("VLLM_DFLASH2_CPU_GEMM", gemm)
+    head.candidate_vocab, head._candidate_head, head._candidate_gemm = ids, None, None
     hidden = torch.randn(rows, 96)
     expected = hidden @ weight[ids].T
     # The first call gathers the head and builds its GEMM handle; the second reuses them.

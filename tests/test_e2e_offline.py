@@ -1,6 +1,7 @@
 """End to end on real vLLM (CPU backend, V1 runner): LLM() with a DFlash2 drafter."""
 
 import gc
+import json
 
 import pytest
 import torch
@@ -76,6 +77,26 @@ def test_our_proposer_and_model_run_in_the_worker(engines):
     _, spec = engines
     [(proposer, model)] = spec.collective_rpc(probes.probe_drafter_class)
     assert (proposer, model) == ("DFlash2Proposer", "DFlash2ForCausalLM")
+
+
+def test_float32_linears_run_on_the_packed_cpu_gemm(engines, tiny_target):
+    """Every float32 linear of the target and the drafter (and the lm_head) goes through
+    vllm_dflash2's packed kernel on AVX2 CPUs: the greedy-equality test above then checks
+    speculation against plain decoding with it in both engines."""
+    from vllm_dflash2 import cpu_linear, ops
+
+    if not (ops.NATIVE_PACKED_LINEAR and cpu_linear.enabled()):
+        pytest.skip("packed CPU GEMM not taken on this CPU (needs AVX2 + FMA, no AVX-512)")
+    base, spec = engines
+    [plain] = base.collective_rpc(cpu_linear.linear_backends)
+    [both] = spec.collective_rpc(cpu_linear.linear_backends)
+    config = json.loads((tiny_target / "config.json").read_text())
+    # qkv, o, gate_up, down per layer; lm_head and the embedding (vLLM gives both a
+    # cpu_linear; when tied they share one packed copy, see test_cpu_linear.py)
+    layers = 4 * config["num_hidden_layers"] + 2
+    assert plain == {"target": {"packed": layers, "vllm": 0}}
+    assert both["target"] == plain["target"]
+    assert both["drafter"]["packed"] > 0 and both["drafter"]["vllm"] == 0, both
 
 
 def test_native_weights_land_where_they_should(engines, tiny_drafter):

@@ -16,8 +16,10 @@ def register() -> None:
     if _REGISTERED:
         return
     from .compat import check_vllm_version
+    from .cpu_linear import mode_from_env
     from .patches import apply_all
 
     check_vllm_version()
+    mode_from_env()  # a bad VLLM_DFLASH2_CPU_GEMM stops every process before it starts
     apply_all()
     _REGISTERED = True

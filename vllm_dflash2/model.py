@@ -78,29 +78,35 @@ class DFlashModel(PerLayerContextKNorm, DFlashQwen3Model):
     pass
 
 
-def _onednn_handler(weight: torch.Tensor):
-    """vLLM's prepacked oneDNN GEMM for ``weight`` [N, H] on CPU, else None.
+def _cpu_head_gemm(weight: torch.Tensor):
+    """A fast ``x -> x @ weight.T`` for the candidate head ``weight`` [N, H] on CPU, or None
+    (torch's linear then runs).
 
     torch's CPU linear re-packs the whole weight on every call once a few rows come in:
-    over a 16k-token candidate head, 7 mask rows cost ~8x one row (a GEMV). vLLM packs
-    its own CPU linears once (``dispatch_cpu_unquantized_gemm``); we do the same, for one
-    row too: with the weight out of cache, as it is after a target forward, torch's GEMV
+    over a 16k-token candidate head, 7 mask rows cost ~8x one row (a GEMV). Like vLLM's
+    own CPU linears, the head is packed once: for our packed AVX2 kernel where the
+    target's float32 linears use it (``cpu_linear.enabled()``), else for vLLM's oneDNN
+    GEMM. With the weight out of cache, as it is after a target forward, torch's GEMV
     over the 16k head took 4.0 ms and oneDNN 2.0 ms (fp32, 2-core AVX2).
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
+    from . import cpu_linear
+    from . import ops as dflash2_ops
+
+    if weight.dtype == torch.float32 and weight.shape[0] % 8 == 0 and cpu_linear.enabled():
+        packed = dflash2_ops.pack_linear_weight(weight)
+        packed_linear = torch.ops.vllm_dflash2.packed_linear.default
+        return lambda x: packed_linear(x, packed)
     try:
         from vllm import _custom_ops as ops
 
-        return ops.create_onednn_mm(weight.t(), 32) if ops._supports_onednn else None
+        if not ops._supports_onednn:
+            return None
+        handler = ops.create_onednn_mm(weight.t(), 32)
     except (ImportError, AttributeError, RuntimeError):
         return None
-
-
-def _onednn_mm(handler, x: torch.Tensor) -> torch.Tensor:
-    from vllm import _custom_ops as ops
-
-    return ops.onednn_mm(handler, x, None)
+    return lambda x: ops.onednn_mm(handler, x, None)
 
 
 class CandidateVocabHead:
@@ -114,7 +120,7 @@ class CandidateVocabHead:
             raise ValueError(f"{CANDIDATE_VOCAB_KEY}: not supported with a draft vocabulary "
                              "(d2t); use one or the other")
         self._candidate_head: torch.Tensor | None = None
-        self._candidate_onednn = None
+        self._candidate_gemm = None
 
     def candidate_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Raw logits over the candidate vocabulary, [N, len(candidate_vocab)]."""
@@ -123,9 +129,9 @@ class CandidateVocabHead:
             ids = self.candidate_vocab.to(self.lm_head.weight.device)
             self.candidate_vocab = ids
             self._candidate_head = self.lm_head.weight.index_select(0, ids).contiguous()
-            self._candidate_onednn = _onednn_handler(self._candidate_head)
-        if self._candidate_onednn is not None and hidden_states.shape[0] > 0:
-            return _onednn_mm(self._candidate_onednn, hidden_states.contiguous())
+            self._candidate_gemm = _cpu_head_gemm(self._candidate_head)
+        if self._candidate_gemm is not None and hidden_states.shape[0] > 0:
+            return self._candidate_gemm(hidden_states.contiguous())
         return torch.nn.functional.linear(hidden_states, self._candidate_head)
 
 

