@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace dflash2 {
@@ -157,22 +158,35 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
   const int64_t blocks = n / kCols;
   const int64_t groups = (blocks + kMaxVecs - 1) / kMaxVecs;
   const int64_t block_stride = k * kCols;
-  // Enough multiply-adds per task to pay for waking a thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, m * k * 24));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t blk = g * kMaxVecs;
-      const int64_t nv = std::min(kMaxVecs, blocks - blk);
-      const float* wg = wp + blk * block_stride;
-      const float* bg = b == nullptr ? nullptr : b + blk * kCols;
-      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, k - k0);
-        for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-          const int64_t rows = std::min(kMaxRows, m - r0);
-          pick(rows, nv)(xp + r0 * k + k0, k, wg + k0 * kCols, block_stride, kc,
-                         yp + r0 * n + blk * kCols, n, bg, k0 == 0);
-        }
+  auto run_group = [&](int64_t g) {
+    const int64_t blk = g * kMaxVecs;
+    const int64_t nv = std::min(kMaxVecs, blocks - blk);
+    const float* wg = wp + blk * block_stride;
+    const float* bg = b == nullptr ? nullptr : b + blk * kCols;
+    for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+      const int64_t kc = std::min(kChunk, k - k0);
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - r0);
+        pick(rows, nv)(xp + r0 * k + k0, k, wg + k0 * kCols, block_stride, kc,
+                       yp + r0 * n + blk * kCols, n, bg, k0 == 0);
       }
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups);
+  // Too little work to pay for waking threads (~128K multiply-adds each): run inline.
+  if (threads <= 1 || m * k * n < threads * (int64_t{1} << 17) || at::in_parallel_region()) {
+    for (int64_t g = 0; g < groups; ++g) run_group(g);
+    return y.view(out_shape);
+  }
+  // Threads take groups from a shared counter instead of fixed halves: the engine's
+  // other processes share these cores, and a fixed split waits for whichever thread
+  // was descheduled. Small chunks (~8 per thread) keep that wait short.
+  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t g0 = next.fetch_add(chunk); g0 < groups; g0 = next.fetch_add(chunk)) {
+      const int64_t g1 = std::min(groups, g0 + chunk);
+      for (int64_t g = g0; g < g1; ++g) run_group(g);
     }
   });
   return y.view(out_shape);
