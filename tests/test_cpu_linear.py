@@ -167,3 +167,14 @@ def test_tied_layers_share_one_packed_weight(monkeypatch):
 
     gc.collect()
     assert key not in cpu_linear._SHARED  # dropped with the weight
+
+
+def test_plugin_registration_refuses_a_bad_mode(monkeypatch):
+    """vLLM calls register() first thing in every process it starts: a bad value stops
+    the front end before any engine or worker exists."""
+    import vllm_dflash2
+
+    monkeypatch.setattr(vllm_dflash2, "_REGISTERED", False)
+    monkeypatch.setenv(cpu_linear.ENV, "2")
+    with pytest.raises(ValueError, match=r"VLLM_DFLASH2_CPU_GEMM='2'"):
+        vllm_dflash2.register()

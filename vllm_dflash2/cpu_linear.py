@@ -2,12 +2,12 @@
 
 vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with
 AVX2 but no AVX-512 (where ``profiling.default_dtype`` picks float32), that GEMM
-reads the weights at ~60% of the memory bandwidth at one row and costs ~1.45x
-that at the 8 rows a K = 7 verification step has. ``ops.packed_linear`` (csrc/cpu/
+streams the weights at ~60% of the memory bandwidth at one row and costs ~1.35x
+that at the 8 rows of a K = 7 verification step. ``ops.packed_linear`` (csrc/cpu/
 packed_linear.cpp) is the same product over a weight packed once at load time:
-0.5-0.75x oneDNN's time at 1-16 rows and <= 0.9x up to 256 rows on 2 Zen 3 cores
-(``benchmarks/bench_kernels.py --packed-linear``). It serves every row count, so
-the layer keeps one packed copy, never two.
+0.66-0.78x oneDNN's time at 1-16 rows and 0.79-0.84x at 32-128 rows over a whole
+SmolLM2-135M forward on 2 Zen 3 cores (``benchmarks/bench_cpu_gemm.py``). It serves
+every row count, so a layer holds one packed copy, never two.
 
 ``patches.py`` routes vLLM's ``dispatch_cpu_unquantized_gemm`` through
 ``dispatch`` below. ``VLLM_DFLASH2_CPU_GEMM``: ``auto`` (default) takes float32

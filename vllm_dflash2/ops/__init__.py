@@ -91,13 +91,8 @@ def select_candidates(
     )
 
 
-# The native packed_linear needs AVX2 + FMA besides the extension.
+# Whether packed_linear on CPU tensors runs the native kernel (needs x86-64 AVX2 + FMA).
 NATIVE_PACKED_LINEAR: bool = _native is not None and _native.packed_linear_supported()
-
-
-def native_packed_linear() -> bool:
-    """Whether ``packed_linear`` on CPU tensors runs the native kernel."""
-    return NATIVE_PACKED_LINEAR
 
 
 def pack_linear_weight(weight):
@@ -116,6 +111,5 @@ def packed_linear(x, packed, bias=None):
 
 __all__ = [
     "grouped_conv_prepare", "grouped_conv_finish", "select_candidates",
-    "pack_linear_weight", "packed_linear", "native_packed_linear", "NATIVE_DEVICES",
-    "NATIVE_PACKED_LINEAR",
+    "pack_linear_weight", "packed_linear", "NATIVE_DEVICES", "NATIVE_PACKED_LINEAR",
 ]
