@@ -1,10 +1,11 @@
 // float32 linear layer on AVX2 + FMA over a weight packed once at load time.
 //
 // Why: vLLM's CPU linear (oneDNN, prepacked) streams the target's weights at
-// ~60% of what two AVX2 cores read from memory at one row, and verifying 1 + K
-// rows costs it ~1.45x one row. Decode-sized GEMMs are weight-streaming
-// problems: this kernel reads each weight once per 4-row block from a layout
-// made for it, with the accumulators of 4 rows x 24 columns in registers.
+// ~60% of what two AVX2 cores read from memory at one row, and the 8 rows of a
+// K = 7 verification cost it ~1.35x one row (benchmarks/bench_cpu_gemm.py).
+// Decode-sized GEMMs are weight-streaming problems: this kernel reads each weight
+// from memory once per call (later 4-row blocks find its K chunk in L2), from a
+// layout made for it, with the accumulators of 4 rows x 24 columns in registers.
 //
 // Packed layout: [N / 8][K][8], i.e. 8 output columns at a time, K-major, so a
 // micro-kernel step loads one 8-float row per column block and broadcasts one
