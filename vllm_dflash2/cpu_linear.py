@@ -51,27 +51,25 @@ def enabled() -> bool:
     return mode == "1" or torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
-def eligible(layer) -> bool:
+def eligible(weight, bias=None) -> bool:
     """A plain float32 [N, K] CPU weight with N a multiple of 8 (and a float32 bias, if any)."""
     import torch
 
-    weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.is_meta or weight.device.type != "cpu":
         return False
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.numel() == 0:
         return False
     if weight.shape[0] % 8:
         return False
-    bias = getattr(layer, "bias", None)
     return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == torch.float32)
 
 
-# Packed copies of weights that stay on their layer (an embedding and the lm_head tied to
-# it are two layers with one weight Parameter): pack such a weight once, not per layer.
+# Packed copy per weight Parameter, for as long as the Parameter lives: an embedding and
+# the lm_head tied to it are two layers with one weight, packed once, not per layer.
 _SHARED: dict[int, object] = {}
 
 
-def _packed_once(weight):
+def packed_once(weight):
     from . import ops
 
     key = id(weight)
@@ -86,17 +84,12 @@ def _packed_once(weight):
 def dispatch(layer, remove_weight: bool, original: Callable) -> None:
     """vLLM's ``dispatch_cpu_unquantized_gemm`` contract: set ``layer.cpu_linear(x, weight,
     bias)`` and, when ``remove_weight``, drop ``layer.weight``'s storage."""
-    if not (enabled() and eligible(layer)):
+    if not (enabled() and eligible(getattr(layer, "weight", None), getattr(layer, "bias", None))):
         original(layer, remove_weight)
         return
     import torch
 
-    from . import ops
-
-    if remove_weight:
-        packed = ops.pack_linear_weight(layer.weight.detach().contiguous())
-    else:
-        packed = _packed_once(layer.weight)
+    packed = packed_once(layer.weight)
     packed_linear = torch.ops.vllm_dflash2.packed_linear.default
 
     def cpu_linear(x, weight, bias, _packed=packed):

@@ -92,10 +92,9 @@ def _cpu_head_gemm(weight: torch.Tensor):
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     from . import cpu_linear
-    from . import ops as dflash2_ops
 
-    if weight.dtype == torch.float32 and weight.shape[0] % 8 == 0 and cpu_linear.enabled():
-        packed = dflash2_ops.pack_linear_weight(weight)
+    if cpu_linear.enabled() and cpu_linear.eligible(weight):
+        packed = cpu_linear.packed_once(weight)
         packed_linear = torch.ops.vllm_dflash2.packed_linear.default
         return lambda x: packed_linear(x, packed)
     try:

@@ -32,6 +32,10 @@ constexpr int64_t kMaxVecs = 3;  // column blocks per micro-kernel: 4 x 3 accumu
 // = 48 KB) stays in L2 while every row block of the batch reuses it.
 constexpr int64_t kChunk = 512;
 
+// One micro-kernel instance (see micro below): x, ldx, w, block_stride, kc, y, ldy, bias, first.
+using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                       const float*, bool);
+
 #if defined(__x86_64__)
 bool cpu_has_avx2_fma() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -78,9 +82,6 @@ __attribute__((target("avx2,fma"))) void micro(const float* x, int64_t ldx, cons
   }
 }
 
-using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
-                       const float*, bool);
-
 template <int MR>
 Micro pick_vecs(int64_t nv) {
   switch (nv) {
@@ -101,8 +102,6 @@ Micro pick(int64_t rows, int64_t nv) {
 #else
 // Other architectures: the op exists but refuses to run (Python never routes to it there).
 bool cpu_has_avx2_fma() { return false; }
-using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
-                       const float*, bool);
 Micro pick(int64_t, int64_t) { return nullptr; }
 #endif
 
