@@ -2,8 +2,8 @@
 
 vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with
 AVX2 but no AVX-512 (where ``profiling.default_dtype`` picks float32), that GEMM
-streams the weights at ~60% of the memory bandwidth at one row and costs ~1.35x
-that at the 8 rows of a K = 7 verification step. ``ops.packed_linear`` (csrc/cpu/
+takes 1.29x the packed kernel's time at one row, and ~1.35x its own one-row time at
+the 8 rows of a K = 7 verification step. ``ops.packed_linear`` (csrc/cpu/
 packed_linear.cpp) is the same product over a weight packed once at load time:
 0.66-0.78x oneDNN's time at 1-16 rows and 0.79-0.84x at 32-128 rows over a whole
 SmolLM2-135M forward on 2 Zen 3 cores (``benchmarks/bench_cpu_gemm.py``). It serves

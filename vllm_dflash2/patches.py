@@ -284,9 +284,10 @@ LEDGER: tuple[Patch, ...] = (
         "cpu_linear over our packed AVX2 kernel (cpu_linear.py, ops.packed_linear) instead "
         "of vLLM's prepacked oneDNN GEMM; other layers and CPUs get vLLM's choice. "
         "VLLM_DFLASH2_CPU_GEMM=0 turns it off.",
-        why="There oneDNN's fp32 GEMM streams the weights at ~60% of the memory bandwidth "
-        "at one row and costs ~1.45x that at the 8 rows of a K = 7 verification; the "
-        "packed kernel takes 0.5-0.75x oneDNN's time at 1-16 rows (2 Zen 3 cores), so both "
+        why="There oneDNN's fp32 GEMM, a weight-streaming problem at decode sizes, costs "
+        "~1.35x its one-row time at the 8 rows of a K = 7 verification; the packed kernel "
+        "takes 0.66-0.78x oneDNN's time at 1-16 rows (a whole SmolLM2-135M forward, 2 Zen 3 "
+        "cores, benchmarks/bench_cpu_gemm.py), so both "
         "plain decoding and verification get cheaper. vLLM offers no hook for a CPU GEMM "
         "backend; linear.py and vocab_parallel_embedding.py import this function from its "
         "module at call time, so rebinding it there reaches every layer.",

@@ -1,8 +1,8 @@
 // float32 linear layer on AVX2 + FMA over a weight packed once at load time.
 //
-// Why: vLLM's CPU linear (oneDNN, prepacked) streams the target's weights at
-// ~60% of what two AVX2 cores read from memory at one row, and the 8 rows of a
-// K = 7 verification cost it ~1.35x one row (benchmarks/bench_cpu_gemm.py).
+// Why: vLLM's CPU linear (oneDNN, prepacked) takes 1.29x this kernel's time at
+// one row over the target's weights, and the 8 rows of a K = 7 verification cost
+// it ~1.35x its own one-row time (benchmarks/bench_cpu_gemm.py).
 // Decode-sized GEMMs are weight-streaming problems: this kernel reads each weight
 // from memory once per call (later 4-row blocks find its K chunk in L2), from a
 // layout made for it, with the accumulators of 4 rows x 24 columns in registers.
