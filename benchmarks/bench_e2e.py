@@ -107,10 +107,12 @@ def _order(methods: list[str], r: int) -> list[str]:
     return methods if r % 2 == 0 else methods[::-1]
 
 
-def _row(mode, method, temperature, c, tokens, seconds, tpots, drafts, accepted, failed=0):
+def _row(mode, method, temperature, c, tokens, seconds, tpots, drafts, accepted, rates,
+         failed=0):
+    """``rates``: tokens/s of each round, in round order (per-round speedups pair them)."""
     return {"mode": mode, "method": method, "temperature": temperature, "concurrency": c,
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tpot_ms": sum(tpots) / len(tpots),
+            "tokens_per_s_by_round": rates, "tpot_ms": sum(tpots) / len(tpots),
             "tau": 1 + accepted / drafts if drafts else None, "failed": failed}
 
 
@@ -196,12 +198,13 @@ def run_offline(methods: list[str], args,
                 records.append({"method": m, "temperature": temperature, "concurrency": c,
                                 "round": r,
                                 **compact_steps(llm.collective_rpc(step_record)[0])})
-            a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0])
+            a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0, []])
             a[0] += tokens
             a[1] += elapsed
             a[2].append(elapsed * c / tokens * 1e3)  # per request: seconds per output token
             a[3] += d1 - d0
             a[4] += a1 - a0
+            a[5].append(tokens / elapsed)
             print(json.dumps({"offline": m, "T": temperature, "c": c, "round": r,
                               "tok_s": round(tokens / elapsed, 2)}), flush=True)
     adaptive = engines.get("dflash2_adaptive")
@@ -256,13 +259,14 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
                                    temperature, args.max_tokens, seed=r)
                 drafts = res.get("spec_decode_num_drafts") or 0
                 tau = res.get("spec_decode_acceptance_length")
-                a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0.0, 0])
+                a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0.0, [], 0])
                 a[0] += res["total_output_tokens"]
                 a[1] += res["duration"]
                 a[2].append(res["mean_tpot_ms"])
                 a[3] += drafts
                 a[4] += (tau - 1) * drafts if tau and drafts else 0.0
-                a[5] += res.get("failed", 0)
+                a[5].append(res["total_output_tokens"] / res["duration"])
+                a[6] += res.get("failed", 0)
                 print(json.dumps({"served": m, "T": temperature, "c": c, "round": r,
                                   "tok_s": round(res["output_throughput"], 2)}), flush=True)
     return [_row("served", m, t, c, *a) for (m, t, c), a in acc.items()]
@@ -270,11 +274,15 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
 
 # -- report --------------------------------------------------------------------
 def add_speedups(rows: list[dict]) -> None:
-    base = {(r["mode"], r["temperature"], r["concurrency"]): r["tokens_per_s"]
+    """Speedup over no_spec at the same point: pooled over the rounds (tokens / seconds
+    of all rounds), and per round (the two methods ran back to back in each round)."""
+    base = {(r["mode"], r["temperature"], r["concurrency"]): r
             for r in rows if r["method"] == "no_spec"}
     for r in rows:
         b = base.get((r["mode"], r["temperature"], r["concurrency"]))
-        r["speedup"] = r["tokens_per_s"] / b if b else None
+        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
+        r["speedup_by_round"] = [x / y for x, y in zip(r["tokens_per_s_by_round"],
+                                                       b["tokens_per_s_by_round"])] if b else None
 
 
 def markdown(rows: list[dict], methods: list[str]) -> str:
@@ -283,7 +291,8 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
         for t in sorted({r["temperature"] for r in rows}):
             sel = [r for r in rows if r["mode"] == mode and r["temperature"] == t]
             concs = sorted({r["concurrency"] for r in sel})
-            lines.append(f"\n{mode}, temperature {t}: tokens/s (speedup vs no_spec, tau)\n")
+            lines.append(f"\n{mode}, temperature {t}: tokens/s (speedup vs no_spec, "
+                         "lowest-highest per-round speedup, tau)\n")
             lines.append("| method | " + " | ".join(f"c={c}" for c in concs) + " |")
             lines.append("|---|" + "---|" * len(concs))
             for m in [m for m in methods if any(x["method"] == m for x in sel)]:
@@ -294,6 +303,9 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
                         cells.append("")
                         continue
                     extra = f" ({r['speedup']:.2f}x" if r.get("speedup") else " ("
+                    per_round = r.get("speedup_by_round") or []
+                    if len(per_round) > 1 and m != "no_spec":
+                        extra += f" {min(per_round):.2f}-{max(per_round):.2f}"
                     extra += f", tau {r['tau']:.2f})" if r.get("tau") else ")"
                     cells.append(f"{r['tokens_per_s']:.1f}{extra}")
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
