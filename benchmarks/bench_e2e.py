@@ -164,7 +164,11 @@ def run_offline(methods: list[str], args,
     from vllm_dflash2.testing import spec_decode_counts
 
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    engines = {m: offline_engine(m, args, chats) for m in methods}
+    # ngram's engine last: it imports numba, and with the worker in-process every later
+    # engine's start-up (vLLM's triton kernel rebinding scans every loaded module) fails
+    # on one of llvmlite's lazy function wrappers.
+    engines = {m: offline_engine(m, args, chats)
+               for m in sorted(methods, key=lambda m: base_method(m) == "ngram")}
     token_prompts = chat_prompts(next(iter(engines.values())), prompts)
     acc: dict = {}
     records = []
