@@ -279,7 +279,7 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
 # -- report --------------------------------------------------------------------
 def add_speedups(rows: list[dict]) -> None:
     """Speedup over no_spec at the same point: pooled over the rounds (tokens / seconds
-    of all rounds), and per round (the two methods ran back to back in each round)."""
+    of all rounds), and per round (every method measures a point in turn within a round)."""
     base = {(r["mode"], r["temperature"], r["concurrency"]): r
             for r in rows if r["method"] == "no_spec"}
     for r in rows:
