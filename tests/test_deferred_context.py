@@ -84,13 +84,15 @@ def test_deferred_context_gives_the_drafts_of_step_by_step_writes(tiny_target, t
 
     assert deferred["counters"]["deferred_rows"] > 500  # both waves' prompts and most tokens
     assert deferred["counters"]["writes"] >= 4
-    # Every deferred row is written once (at a departure, a flush or a drafting step), or
-    # still waits: the second wave's last requests leave after the last step.
+    # Every deferred row is written once (at a departure, a flush or a drafting step),
+    # dropped (a departed request's partial last block), or still waits: the second
+    # wave's last requests leave after the last step.
     c = deferred["counters"]
-    assert c["written_rows"] + c["unwritten_rows"] == c["deferred_rows"], c
+    assert c["written_rows"] + c["dropped_rows"] + c["unwritten_rows"] == c["deferred_rows"], c
     assert c["written_rows"] > 0.8 * c["deferred_rows"], c
+    assert c["dropped_rows"] > 0, c
     assert direct["counters"] == {"deferred_rows": 0, "writes": 0, "written_rows": 0,
-                                  "unwritten_rows": 0}
+                                  "dropped_rows": 0, "unwritten_rows": 0}
     assert deferred["outs"] == direct["outs"]
     a, b = deferred["drafts"], direct["drafts"]
     assert len(a["tokens"]) > 10 and a["batch"] == b["batch"]
@@ -98,3 +100,41 @@ def test_deferred_context_gives_the_drafts_of_step_by_step_writes(tiny_target, t
     # a missing, stale or misplaced row changes them.
     torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-4, rtol=1e-4)
     assert a["tokens"] == b["tokens"]
+
+
+def _settling_proposer(prefix_caching: bool, block_size: int = 4):
+    """A DFlash2Proposer with only the state _settle_departed reads; writes recorded."""
+    from vllm_dflash2.proposer import DFlash2Proposer
+
+    p = DFlash2Proposer.__new__(DFlash2Proposer)
+    p.block_size, p._prefix_caching, p.context_rows_dropped = block_size, prefix_caching, 0
+    p.written = []
+    p._store_context_kv = lambda parts: p.written.extend(parts)
+    return p
+
+
+def _pending(req_ids, owner, positions):
+    from vllm_dflash2.proposer import _Pending
+
+    owner, positions = torch.tensor(owner), torch.tensor(positions)
+    hidden = positions.float().unsqueeze(1).repeat(1, 3)  # a row's hidden names its position
+    return _Pending(list(req_ids), owner, hidden, positions, positions + 100,
+                    set(range(len(req_ids))))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_departed_requests_write_full_blocks_and_drop_the_rest(prefix_caching):
+    p = _settling_proposer(prefix_caching)
+    # Request "a" computed positions 0..9 (blocks 0-3, 4-7 full; 8-9 partial) over two
+    # steps; "b" computed 0..2 (no full block) and "c" stays in the batch.
+    first = _pending(["a", "b", "c"], [0, 0, 0, 0, 0, 0, 1, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1, 7])
+    second = _pending(["a", "b", "c"], [0, 0, 0, 0, 1, 2], [6, 7, 8, 9, 2, 8])
+    p._settle_departed([(first, [0, 1]), (second, [0, 1])])
+
+    written = sorted(int(x) for _, positions, _ in p.written for x in positions)
+    expected = [0, 1, 2, 3, 4, 5, 6, 7] if prefix_caching else []
+    assert written == expected
+    for hidden, positions, slots in p.written:  # rows stay whole: hidden, position, slot
+        assert torch.equal(hidden[:, 0].long(), positions) and torch.equal(slots, positions + 100)
+    # a: 10 rows, b: 3 rows; c's rows are neither written nor dropped.
+    assert p.context_rows_dropped == 13 - len(expected)

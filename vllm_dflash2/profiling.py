@@ -157,11 +157,12 @@ def force_k(worker, k: int | list[int]) -> None:
 
 def context_counters(worker) -> dict[str, int]:
     """How many context rows the proposer deferred, how many batched writes it made and
-    how many rows they wrote, and how many rows are not written yet (see
-    DFlash2Proposer._defer_context)."""
+    how many rows they wrote, how many rows of departed requests it dropped (partial
+    blocks), and how many rows are not settled yet (see DFlash2Proposer._defer_context)."""
     drafter = worker.model_runner.drafter
     return {"deferred_rows": drafter.context_rows_deferred,
             "writes": drafter.context_flushes, "written_rows": drafter.context_rows_written,
+            "dropped_rows": drafter.context_rows_dropped,
             "unwritten_rows": drafter.unwritten_context_rows()}
 
 

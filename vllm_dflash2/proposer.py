@@ -42,15 +42,15 @@ class _Pending:
     hidden: torch.Tensor  # [rows, A * Ht] the target's aux hidden states
     positions: torch.Tensor  # [rows]
     slots: torch.Tensor  # [rows] draft KV slots, as upstream's input kernel computes them
-    # Owners (indices into req_ids) whose rows are not written yet. A departed request's
-    # rows are written and its index dropped here; the rows stay in place, never copied.
+    # Owners (indices into req_ids) whose rows are not settled yet. A departed request's
+    # rows are written or dropped and its index removed here; the rows stay in place.
     unwritten: set[int] = dataclasses.field(default_factory=set)
 
-    def rows(self, owners=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden, positions, slots) of the rows of ``owners``; default: the unwritten ones."""
-        if owners is None and len(self.unwritten) == len(self.req_ids):
-            return self.hidden, self.positions, self.slots  # none written yet: no gather
-        m = _rows_of(self.owner, self.unwritten if owners is None else owners)
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden, positions, slots) of the unwritten rows."""
+        if len(self.unwritten) == len(self.req_ids):
+            return self.hidden, self.positions, self.slots  # none settled yet: no gather
+        m = _rows_of(self.owner, self.unwritten)
         return self.hidden[m], self.positions[m], self.slots[m]
 
 
@@ -86,6 +86,11 @@ class DFlash2Proposer(DFlashProposer):
         # rows and write their draft K/V in one batch before the next draft reads it.
         self._runner = runner
         self.defer_context = adaptive.env_flag(DEFER_ENV, True)
+        # Only full blocks are ever read again after their request leaves (prefix-cache
+        # hits), so departed requests' rows in partial blocks are dropped, not written.
+        self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self._arange = torch.arange(0)  # owner indices of a pure decode step, grown on demand
+        self._context_write_s = 0.0  # seconds of context writes since the last proposal
         self._pending: list[_Pending] = []
         self._pending_rows = 0
         self._batch_ids: list[str] = []
@@ -93,6 +98,7 @@ class DFlash2Proposer(DFlashProposer):
         self.context_rows_deferred = 0  # counters, read by tests and benchmarks
         self.context_flushes = 0
         self.context_rows_written = 0
+        self.context_rows_dropped = 0
 
     # -- adaptive speculation ----------------------------------------------------
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
@@ -113,11 +119,19 @@ class DFlash2Proposer(DFlashProposer):
             self.adaptive.observe_acceptance(k_prev, accepted, len(num_drafts))
         # Steps that carried a prefill chunk cost more than a decode step: skip them.
         measured = t_prev is not None and cad.max_query_len <= k_prev + 1
+        # Deferred context writes are work of earlier k = 0 steps that lands in whichever
+        # step flushes it (the first drafting step after a run of them: a probe), so it
+        # is left out of the step's cost. Seen at batch 8: a k = 1 probe after 128 plain
+        # steps wrote 1024 rows and measured 2x a plain step. Leaving it out makes plain
+        # steps look cheaper by their deferred share (~0.03 ms a row), which errs toward
+        # plain decoding.
+        written, self._context_write_s = self._context_write_s, 0.0
         if measured:
-            self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev)
+            self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev - written)
         if self.step_record is not None and t_prev is not None:
             self.step_record.append({
-                "t": now, "seconds": now - t_prev, "batch": cad.batch_size(), "k": k_prev,
+                "t": now, "seconds": now - t_prev, "context_write_s": written,
+                "batch": cad.batch_size(), "k": k_prev,
                 "max_query_len": cad.max_query_len, "measured": measured,
                 "greedy": self.adaptive is self._controllers[True],
                 "drafts": k_prev * len(accepted), "accepted": sum(accepted),
@@ -225,11 +239,11 @@ class DFlash2Proposer(DFlashProposer):
     # speculation decided not to draft. Nothing reads that K/V until the next step that
     # drafts, so such steps only stash their rows and slots; the rows are written in one
     # batch (one fc and one K/V projection for many steps) before a step that drafts,
-    # before a step whose rows include rejected drafts, when too many are pending, and,
-    # for one request, as soon as it leaves the batch: its blocks go back to the
-    # scheduler then and may be handed to another request in the same step, whose own
-    # writes come later; finished requests' blocks may also serve later prefix-cache
-    # hits, so their draft K/V must be complete.
+    # before a step whose rows include rejected drafts, and when too many are pending.
+    # A request's rows are settled as soon as it leaves the batch: its blocks go back to
+    # the scheduler then and may be handed to another request in the same step, whose
+    # own writes come later; its full blocks may also serve later prefix-cache hits, so
+    # their draft K/V is written; the rest is dropped (_write_context_of_departed).
 
     def _defer_context(self, target_token_ids, target_positions, target_hidden_states,
                        cad) -> bool:
@@ -248,16 +262,24 @@ class DFlash2Proposer(DFlashProposer):
         num_reqs = cad.batch_size()
         if len(req_ids) != num_reqs:
             return False
-        owner = torch.repeat_interleave(
-            torch.arange(num_reqs, dtype=torch.int64), qsl[1:] - qsl[:-1]
-        ).to(self.device)
+        if rows == num_reqs:  # one row per request: a decode step
+            if self._arange.shape[0] < rows:
+                self._arange = torch.arange(max(rows, 256), dtype=torch.int64,
+                                            device=self.device)
+            owner = self._arange[:rows]
+        else:
+            owner = torch.repeat_interleave(
+                torch.arange(num_reqs, dtype=torch.int64), qsl[1:] - qsl[:-1]
+            ).to(self.device)
         positions = target_positions[:rows].to(torch.int64)
         table = cad.block_table_tensor
         # upstream's context slot: block_table[req, min(pos // bs, cols - 1)] * bs + pos % bs
         column = (positions // self.block_size).clamp(max=table.shape[1] - 1)
         slots = table[owner, column].to(torch.int64) * self.block_size + positions % self.block_size
+        if positions.data_ptr() == target_positions.data_ptr():
+            positions = positions.clone()  # the runner's buffer: rewritten next step
         self._pending.append(_Pending(req_ids, owner, target_hidden_states[:rows].clone(),
-                                      positions.clone(), slots, set(range(num_reqs))))
+                                      positions, slots, set(range(num_reqs))))
         self._pending_rows += rows
         self._batch_ids = req_ids
         self.context_rows_deferred += rows
@@ -266,23 +288,59 @@ class DFlash2Proposer(DFlashProposer):
         return True
 
     def _write_context_of_departed(self) -> None:
-        """Write now the pending rows of requests that left the batch (finished or
-        preempted): the scheduler may have handed their blocks to another request."""
+        """Settle now the pending rows of requests that left the batch (finished or
+        preempted): the scheduler may have handed their blocks to another request.
+
+        Rows in blocks the request filled are written: those blocks stay in the prefix
+        cache, and a later request that hits them reads their draft K/V. Rows in its last,
+        partial block are dropped: vLLM caches only full blocks, so nothing reads them
+        again (a preempted request recomputes them, and stashes them anew). Without
+        prefix caching every departed row is dropped. Short requests on the CPU backend's
+        128-token blocks fill none: their writes were ~1% of a plain step at batch 8."""
         req_ids = self._runner.input_batch.req_ids
         if req_ids == self._batch_ids:
             return
         live = set(req_ids)
-        write = []
+        departed = []
         for entry in self._pending:
             gone = [i for i in entry.unwritten if entry.req_ids[i] not in live]
             if gone:
-                write.append(entry.rows(gone))
+                departed.append((entry, gone))
                 entry.unwritten.difference_update(gone)
-        if write:
-            self._store_context_kv(write)
+        if departed:
+            self._settle_departed(departed)
         self._pending = [e for e in self._pending if e.unwritten]
         self._pending_rows = sum(e.owner.shape[0] for e in self._pending)
         self._batch_ids = list(req_ids)
+
+    def _settle_departed(self, departed: list[tuple[_Pending, list[int]]]) -> None:
+        """Write the full-block rows of departed owners, drop the rest (see above)."""
+        bs = self.block_size
+        # Positions each departed request computed: pending rows are every request's
+        # newest (a drafting step flushes them all first), so its last one ends them.
+        end: dict[str, int] = {}
+        for entry, gone in departed:
+            last = torch.zeros(len(entry.req_ids), dtype=torch.int64, device=entry.owner.device)
+            last.scatter_reduce_(0, entry.owner, entry.positions + 1, "amax")
+            for i in gone:
+                rid = entry.req_ids[i]
+                end[rid] = max(end.get(rid, 0), int(last[i]))
+        write = []
+        for entry, gone in departed:
+            rows = _rows_of(entry.owner, gone)
+            # Per owner: positions below this are in full blocks (0: none kept, also for
+            # owners still in the batch).
+            limit = torch.zeros(len(entry.req_ids), dtype=torch.int64, device=entry.owner.device)
+            if self._prefix_caching:
+                for i in gone:
+                    limit[i] = end[entry.req_ids[i]] // bs * bs
+            keep = rows & (entry.positions < limit[entry.owner])
+            kept = int(keep.sum())
+            self.context_rows_dropped += int(rows.sum()) - kept
+            if kept:
+                write.append((entry.hidden[keep], entry.positions[keep], entry.slots[keep]))
+        if write:
+            self._store_context_kv(write)
 
     def flush_context(self) -> None:
         """Write the draft K/V of every pending context row."""
@@ -292,16 +350,18 @@ class DFlash2Proposer(DFlashProposer):
         self._store_context_kv([e.rows() for e in pending])
 
     def unwritten_context_rows(self) -> int:
-        """Deferred rows whose draft K/V is not written yet."""
+        """Deferred rows not settled yet (neither written nor dropped)."""
         return sum(int(_rows_of(e.owner, e.unwritten).sum()) for e in self._pending)
 
     def _store_context_kv(self, parts) -> None:
         """Write the draft K/V of (hidden, positions, slots) row groups in one batch."""
+        start = time.perf_counter()
         hidden, positions, slots = (torch.cat(t) for t in zip(*parts))
         self.context_flushes += 1
         self.context_rows_written += hidden.shape[0]
         model = self.model
         model.precompute_and_store_context_kv(model.combine_hidden_states(hidden), positions, slots)
+        self._context_write_s += time.perf_counter() - start
 
     def _draft_model(self):
         model = self.model
