@@ -119,15 +119,15 @@ class DFlash2Proposer(DFlashProposer):
             self.adaptive.observe_acceptance(k_prev, accepted, len(num_drafts))
         # Steps that carried a prefill chunk cost more than a decode step: skip them.
         measured = t_prev is not None and cad.max_query_len <= k_prev + 1
-        # Deferred context writes are work of earlier k = 0 steps that lands in whichever
-        # step flushes it (the first drafting step after a run of them: a probe), so it
-        # is left out of the step's cost. Seen at batch 8: a k = 1 probe after 128 plain
-        # steps wrote 1024 rows and measured 2x a plain step. Leaving it out makes plain
-        # steps look cheaper by their deferred share (~0.03 ms a row), which errs toward
-        # plain decoding.
+        # Deferred context writes stay in the cost of the step that flushes them, mostly a
+        # probe after a run of k = 0 steps (at batch 8: a k = 1 probe after 128 plain
+        # steps wrote 1024 rows, ~2x a plain step, against 1.43x for a k = 1 step alone).
+        # That is what such a probe costs, and the dearer estimate keeps probes rare
+        # where drafting cannot pay (``AdaptiveSpeculation._hopeless``); steady drafting
+        # flushes nothing, so it errs toward plain decoding. The record keeps the split.
         written, self._context_write_s = self._context_write_s, 0.0
         if measured:
-            self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev - written)
+            self.adaptive.observe_step(cad.batch_size(), k_prev, now - t_prev)
         if self.step_record is not None and t_prev is not None:
             self.step_record.append({
                 "t": now, "seconds": now - t_prev, "context_write_s": written,
