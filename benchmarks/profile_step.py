@@ -2,6 +2,7 @@
 
 Runs the default target (SmolLM2-135M-Instruct) without speculation and with a
 drafter, one greedy request at a time (``--batch B``: one wave of B requests;
+``--load sustained``: B requests always in flight, as bench_e2e.py's default load;
 ``--temperature T``: sampled), with timers installed in the worker
 (``vllm_dflash2.profiling``), and prints the per-step split: target verification,
 context K/V, draft forward (per layer: conv, attention, MLP), candidates and
@@ -9,6 +10,7 @@ selector, rejection sampling, worker bookkeeping, engine/scheduler/IPC.
 
     python benchmarks/profile_step.py [--drafter DIR] [--dtype float32] [-k 7 3] [--compile]
                                       [--rounds 3] [--batch 1] [--temperature 0]
+                                      [--load wave|sustained]
 
 Speculative runs use a fixed K (adaptive speculation off), one run per ``-k`` value;
 ``-k 0`` runs a speculative engine (K = the largest ``-k``) whose adaptive controller
@@ -72,17 +74,28 @@ def start(target, drafter, k, dtype, compile_, extra=None, max_k=7, defer=True):
     return llm
 
 
-def measure(llm, max_tokens, batch: int = 1, temperature: float = 0.0) -> dict:
+def measure(llm, max_tokens, batch: int = 1, temperature: float = 0.0,
+            sustained_prompts: list | None = None, first: int = 0) -> dict:
     """One round on one engine: every prompt once, one request at a time (batch 1), or
-    one wave of ``batch`` requests (the prompts cycled)."""
+    one wave of ``batch`` requests (the prompts cycled); with ``sustained_prompts``,
+    ``batch`` requests held in flight until ``2 batch max_tokens`` tokens are out (as
+    bench_e2e.py's default load: arrivals, prefills and departures between decode steps)."""
     from vllm import SamplingParams
 
     from vllm_dflash2 import profiling
+    from vllm_dflash2.load import sustained
     from vllm_dflash2.testing import spec_decode_counts
 
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     d0, a0 = spec_decode_counts(llm)
     llm.collective_rpc(profiling.reset)
+    if sustained_prompts is not None:
+        run = sustained(llm, sustained_prompts, lambda: sp, batch, 2 * batch * max_tokens,
+                        first=first)
+        timers = llm.collective_rpc(profiling.read)[0]
+        d1, a1 = spec_decode_counts(llm)
+        return {"wall": run.seconds, "tokens": run.tokens, "timers": timers, "drafts": d1 - d0,
+                "accepted": a1 - a0}
     wall, tokens = 0.0, 0
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     waves = [[c] for c in chats] if batch == 1 else [
@@ -169,6 +182,9 @@ def main():
                         help="sampling temperature of the measured requests (default greedy)")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests per step (default 1: one request at a time)")
+    parser.add_argument("--load", choices=["wave", "sustained"], default="wave",
+                        help="sustained: --batch requests always in flight, bench_e2e.py's "
+                        "held-out prompts (default: one wave of --batch requests)")
     parser.add_argument("--k0-direct", action="store_true",
                         help="also k = 0 with the draft context written every step (not deferred)")
     parser.add_argument("--out", default="benchmarks/results/profile_step_cpu.json")
@@ -194,10 +210,18 @@ def main():
     engines = {c: start(target, None if c is None else drafter,
                         0 if c in (None, direct) else c, args.dtype, args.compile,
                         max_k=max_k, defer=c != direct) for c in columns}
+    prompts = None
+    if args.load == "sustained":
+        from bench_e2e import load_prompts
+
+        from vllm_dflash2.load import chat_prompts
+
+        prompts = chat_prompts(next(iter(engines.values())), load_prompts())
     rounds = {c: [] for c in columns}
     for r in range(args.rounds):
         for c in (columns if r % 2 == 0 else columns[::-1]):
-            rounds[c].append(measure(engines[c], args.max_tokens, args.batch, args.temperature))
+            rounds[c].append(measure(engines[c], args.max_tokens, args.batch, args.temperature,
+                                     prompts, first=2 * args.batch * r))
     del engines
     gc.collect()
     base = summarize(rounds[None])

@@ -239,10 +239,12 @@ def test_probes_back_off_further_where_drafting_cannot_pay_at_all():
     gaps = _probe_gaps(_feed(ctl, 16, lambda k: 0.1 * (1 + k), accept_prob=1.0, steps=5000))
     assert gaps == sorted(gaps) and gaps[-1] == 8 * 128
     assert len(gaps) <= 10
-    # A larger batch size takes the verdict of this one from its first probe on.
-    gaps = _probe_gaps(_feed(ctl, 32, lambda k: 0.2 * (1 + 1.2 * k), accept_prob=1.0,
-                             steps=2000))
-    assert gaps == sorted(gaps) and gaps[-1] > 128
+    # A larger batch size takes the verdict of this one from its first probe on: no
+    # probe in its first 128 steps of plain decoding, none 16 or 32 steps apart.
+    chosen = _feed(ctl, 32, lambda k: 0.2 * (1 + 1.2 * k), accept_prob=1.0, steps=2000)
+    assert chosen[:3] == [0, 0, 0] and not any(chosen[:128])
+    gaps = _probe_gaps(chosen)
+    assert gaps == sorted(gaps) and gaps[0] >= 128 and gaps[-1] > 128
 
 
 def test_probes_still_find_acceptance_that_appears_later():

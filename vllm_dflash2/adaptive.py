@@ -9,7 +9,7 @@ current batch size it is switched off. It tries a neighbour of its choice now
 and then so that stale estimates get refreshed: ``explore_every`` steps after the
 choice at a batch size last changed, then at doubling gaps up to ``explore_max``
 steps while the choice holds, and up to ``hopeless_gap_factor`` times that where even
-full acceptance could not pay (``_hopeless``). A probe at a large batch size costs up to
+full acceptance could not pay (``_hopeless``; there the first gap is ``explore_max``). A probe at a large batch size costs up to
 2x a step (verification is compute-bound there), so a fixed 1-in-16 probe alone cost ~4%.
 
 Plain decoding is the baseline every choice is measured against, so its cost is
@@ -187,16 +187,17 @@ class AdaptiveSpeculation:
                 return self.expected_tokens(k) < (1 + self.min_gain) * costs[k] / costs[0]
         return False
 
-    def _hopeless(self, b: int, top: int) -> bool:
+    def _hopeless(self, b: int, top: int, min_probes: int = 2) -> bool:
         """Whether drafting cannot pay at bucket ``b`` even if every draft were accepted:
         (1 + k) tokens for a step whose cost grows like plain * (1 + a k), where a is the
-        measured extra cost of one draft (at least two k = 1 steps and the baseline, here
-        or at a smaller bucket: verification only gets more compute-bound with the batch).
-        Such a bucket still probes, at long gaps: at batch 5-16 here a k = 1 probe costs
-        ~2 plain steps, 1-1.5% of all steps at 128-step gaps."""
+        measured extra cost of one draft (at least ``min_probes`` k = 1 steps and the
+        baseline, here or at a smaller bucket: verification only gets more compute-bound
+        with the batch). Such a bucket still probes, at long gaps: at batch 5-16 here a
+        k = 1 probe costs ~2 plain steps, 1-1.5% of all steps at 128-step gaps."""
         for smaller in sorted((x for x in self.samples if x <= b), reverse=True):
             measured = self.samples[smaller]
-            if len(measured.get(1, ())) < 2 or len(measured.get(0, ())) < self.baseline_samples:
+            if (len(measured.get(1, ())) < min_probes
+                    or len(measured.get(0, ())) < self.baseline_samples):
                 continue
             costs = self._costs(smaller)
             a = costs[1] / costs[0] - 1
@@ -245,8 +246,14 @@ class AdaptiveSpeculation:
             count = 0 if probes is None else probes.count
             if best > 0 and (probes is None or probes.choice == 0):
                 count = _BASELINE_PHASE  # speculation just started: first re-check the baseline
-            probes = self._probes[b] = _Probes(best, self.explore_every, step + self.explore_every,
-                                               count)
+            # ...unless plain decoding was chosen where drafting cannot pay: there a probe
+            # (and the flush of the deferred context before it) costs ~2 plain steps, and
+            # 16, 48, 112 steps in cost ~1% of a 500-step run at batch 8-16 here. That
+            # verdict then rests on 4 probes: the median of 2 is their mean, and one
+            # stalled probe (2-3x here) would silence a batch size where drafting pays.
+            gap = (self.explore_max if best == 0 and self._hopeless(b, top, min_probes=4)
+                   else self.explore_every)
+            probes = self._probes[b] = _Probes(best, gap, step + gap, count)
         if step < probes.next_step:
             return best
         longest = self.explore_max * (self.hopeless_gap_factor
