@@ -101,26 +101,6 @@ class DFlash2Proposer(DFlashProposer):
         self.context_rows_dropped = 0
 
     # -- adaptive speculation ----------------------------------------------------
-    def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch,
-                                      discard_request_mask):
-        """Upstream's, with a shortcut for steps that verified no draft on the CPU backend.
-
-        The runner calls this on every step once speculation is configured. Upstream looks
-        up every request's backup token in Python before its kernel, ~0.2 ms at batch 8,
-        every k = 0 step. With one sample per request, none discarded and all in the
-        vocabulary, its result is each request's sample and a count of 1
-        (tests/test_proposer_fast_paths.py compares the two)."""
-        if sampled_token_ids.dim() == 2 and sampled_token_ids.shape[1] == 1 \
-                and sampled_token_ids.device.type == "cpu":
-            n = sampled_token_ids.shape[0]
-            tokens = sampled_token_ids[:, 0]
-            if not bool(discard_request_mask[:n].any()) and bool(
-                    ((tokens >= 0) & (tokens < gpu_input_batch.vocab_size)).all()):
-                return (tokens.to(torch.int32, copy=True),
-                        torch.ones(n, dtype=torch.int32, device=sampled_token_ids.device))
-        return super().prepare_next_token_ids_padded(
-            sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
-
     def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata,
                               valid_sampled_tokens_count):
         self._verified = (spec_decode_metadata.num_draft_tokens, valid_sampled_tokens_count)
