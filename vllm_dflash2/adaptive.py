@@ -9,8 +9,9 @@ current batch size it is switched off. It tries a neighbour of its choice now
 and then so that stale estimates get refreshed: ``explore_every`` steps after the
 choice at a batch size last changed, then at doubling gaps up to ``explore_max``
 steps while the choice holds, and up to ``hopeless_gap_factor`` times that where even
-full acceptance could not pay (``_hopeless``; there the first gap is ``explore_max``). A probe at a large batch size costs up to
-2x a step (verification is compute-bound there), so a fixed 1-in-16 probe alone cost ~4%.
+full acceptance could not pay (``_hopeless``; there the first gap is ``explore_max``).
+A probe at a large batch size costs up to 2x a step (verification is compute-bound
+there), so a fixed 1-in-16 probe alone cost ~4%.
 
 Plain decoding is the baseline every choice is measured against, so its cost is
 never trusted on one step: a new batch size measures ``baseline_samples`` plain
