@@ -92,19 +92,17 @@ def measure(llm, max_tokens, batch: int = 1, temperature: float = 0.0,
     if sustained_prompts is not None:
         run = sustained(llm, sustained_prompts, lambda: sp, batch, 2 * batch * max_tokens,
                         first=first)
-        timers = llm.collective_rpc(profiling.read)[0]
-        d1, a1 = spec_decode_counts(llm)
-        return {"wall": run.seconds, "tokens": run.tokens, "timers": timers, "drafts": d1 - d0,
-                "accepted": a1 - a0}
-    wall, tokens = 0.0, 0
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-    waves = [[c] for c in chats] if batch == 1 else [
-        [chats[i % len(chats)] for i in range(batch)]]
-    for wave in waves:
-        t0 = time.perf_counter()
-        out = llm.chat(wave, sp, use_tqdm=False)
-        wall += time.perf_counter() - t0
-        tokens += sum(len(o.outputs[0].token_ids) for o in out)
+        wall, tokens = run.seconds, run.tokens
+    else:
+        wall, tokens = 0.0, 0
+        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+        waves = [[c] for c in chats] if batch == 1 else [
+            [chats[i % len(chats)] for i in range(batch)]]
+        for wave in waves:
+            t0 = time.perf_counter()
+            out = llm.chat(wave, sp, use_tqdm=False)
+            wall += time.perf_counter() - t0
+            tokens += sum(len(o.outputs[0].token_ids) for o in out)
     timers = llm.collective_rpc(profiling.read)[0]
     d1, a1 = spec_decode_counts(llm)
     return {"wall": wall, "tokens": tokens, "timers": timers, "drafts": d1 - d0,

@@ -89,7 +89,6 @@ class DFlash2Proposer(DFlashProposer):
         # Only full blocks are ever read again after their request leaves (prefix-cache
         # hits), so departed requests' rows in partial blocks are dropped, not written.
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self._arange = torch.arange(0)  # owner indices of a pure decode step, grown on demand
         self._context_write_s = 0.0  # seconds of context writes since the last proposal
         self._pending: list[_Pending] = []
         self._pending_rows = 0
@@ -263,21 +262,17 @@ class DFlash2Proposer(DFlashProposer):
         if len(req_ids) != num_reqs:
             return False
         if rows == num_reqs:  # one row per request: a decode step
-            if self._arange.shape[0] < rows:
-                self._arange = torch.arange(max(rows, 256), dtype=torch.int64,
-                                            device=self.device)
-            owner = self._arange[:rows]
+            owner = torch.arange(rows, dtype=torch.int64, device=self.device)
         else:
             owner = torch.repeat_interleave(
                 torch.arange(num_reqs, dtype=torch.int64), qsl[1:] - qsl[:-1]
             ).to(self.device)
-        positions = target_positions[:rows].to(torch.int64)
+        # A copy: the runner rewrites its positions buffer next step.
+        positions = target_positions[:rows].to(torch.int64, copy=True)
         table = cad.block_table_tensor
         # upstream's context slot: block_table[req, min(pos // bs, cols - 1)] * bs + pos % bs
         column = (positions // self.block_size).clamp(max=table.shape[1] - 1)
         slots = table[owner, column].to(torch.int64) * self.block_size + positions % self.block_size
-        if positions.data_ptr() == target_positions.data_ptr():
-            positions = positions.clone()  # the runner's buffer: rewritten next step
         self._pending.append(_Pending(req_ids, owner, target_hidden_states[:rows].clone(),
                                       positions, slots, set(range(num_reqs))))
         self._pending_rows += rows
