@@ -116,8 +116,10 @@ def summarize(rounds: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rounds)
     drafts = sum(r["drafts"] for r in rounds)
     keys = {k for r in rounds for k in r["timers"]}
-    per = {k: sum(r["timers"].get(k, {}).get("seconds", 0.0) for r in rounds) / steps * 1e3
-           for k in sorted(keys)}  # ms per step
+    def per_step(field):  # ms per step
+        return {k: sum(r["timers"].get(k, {}).get(field, 0.0) for r in rounds) / steps * 1e3
+                for k in sorted(keys)}
+
     return {
         "steps": steps,
         "tokens": tokens,
@@ -127,14 +129,17 @@ def summarize(rounds: list[dict]) -> dict:
         "ms_per_step_by_round": [r["wall"] / r["timers"]["step/execute_model"]["calls"] * 1e3
                                  for r in rounds],
         "tau": 1 + sum(r["accepted"] for r in rounds) / drafts if drafts else None,
-        "timers_ms_per_step": per,
+        "timers_ms_per_step": per_step("seconds"),
+        # of those, spent in other timed calls made from inside them
+        "nested_ms_per_step": per_step("nested_seconds"),
     }
 
 
 def split(run: dict) -> dict[str, float]:
     """The issue's rows, in ms per step; nested timers are subtracted out."""
-    t = run["timers_ms_per_step"]
+    t, nested = run["timers_ms_per_step"], run.get("nested_ms_per_step", {})
     g = lambda key: t.get(key, 0.0)  # noqa: E731
+    own = lambda key: g(key) - nested.get(key, 0.0)  # noqa: E731
     layers = sorted({k.split("/")[1] for k in t if k.startswith("draft/layer")})
     rows = {"target verification (forward + logits)": g("target/forward") + g("target/logits")}
     if "target/layers/mlp" in t:
@@ -146,7 +151,7 @@ def split(run: dict) -> dict[str, float]:
         rows["  of which: norms, residuals, embedding"] = (
             g("target/forward") - g("target/layers/attention_block") - g("target/layers/mlp"))
     if "draft/total" in t:
-        rows["context K/V precompute"] = g("draft/context_kv")
+        rows["context K/V precompute (fc, K/V)"] = g("draft/context_kv")
         layer_sum = 0.0
         for name in layers:
             for part in ("conv", "attention", "mlp"):
@@ -155,9 +160,12 @@ def split(run: dict) -> dict[str, float]:
                 layer_sum += v
         rows["draft forward other (embed, norms)"] = g("draft/forward") - layer_sum
         rows["candidates + selector"] = g("draft/candidates_and_selector")
+        rows["k = 0 context stash + settle (ours)"] = own("draft/context_stash")
+        rows["prepare_*_padded (vLLM's, every step)"] = g("draft/vllm_prepare_padded")
         rows["draft inputs + metadata + rest of propose"] = (
             g("draft/total") - g("draft/context_kv") - g("draft/forward")
-            - g("draft/candidates_and_selector"))
+            - g("draft/candidates_and_selector") - own("draft/context_stash")
+            - g("draft/vllm_prepare_padded"))
     rows["sampling / rejection sampling"] = g("sample/sample_or_reject")
     worker = g("step/execute_model") + g("step/sample_tokens")
     rows["worker bookkeeping (inputs, outputs)"] = (

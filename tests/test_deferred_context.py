@@ -116,9 +116,11 @@ def _settling_proposer(prefix_caching: bool, block_size: int = 4):
 def _pending(req_ids, owner, positions):
     from vllm_dflash2.proposer import _Pending
 
+    counts = [owner.count(i) for i in range(len(req_ids))]  # each owner's rows: one run
+    starts = [owner.index(i) if counts[i] else 0 for i in range(len(req_ids))]
     owner, positions = torch.tensor(owner), torch.tensor(positions)
     hidden = positions.float().unsqueeze(1).repeat(1, 3)  # a row's hidden names its position
-    return _Pending(list(req_ids), owner, hidden, positions, positions + 100,
+    return _Pending(list(req_ids), owner, hidden, positions, positions + 100, starts, counts,
                     set(range(len(req_ids))))
 
 
@@ -129,7 +131,8 @@ def test_departed_requests_write_full_blocks_and_drop_the_rest(prefix_caching):
     # steps; "b" computed 0..2 (no full block) and "c" stays in the batch.
     first = _pending(["a", "b", "c"], [0, 0, 0, 0, 0, 0, 1, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1, 7])
     second = _pending(["a", "b", "c"], [0, 0, 0, 0, 1, 2], [6, 7, 8, 9, 2, 8])
-    p._settle_departed([(first, [0, 1]), (second, [0, 1])])
+    p._pending = [first, second]
+    p._settle_departed(["a", "b"])
 
     written = sorted(int(x) for _, positions, _ in p.written for x in positions)
     expected = [0, 1, 2, 3, 4, 5, 6, 7] if prefix_caching else []
@@ -138,3 +141,5 @@ def test_departed_requests_write_full_blocks_and_drop_the_rest(prefix_caching):
         assert torch.equal(hidden[:, 0].long(), positions) and torch.equal(slots, positions + 100)
     # a: 10 rows, b: 3 rows; c's rows are neither written nor dropped.
     assert p.context_rows_dropped == 13 - len(expected)
+    assert p.unwritten_context_rows() == 2
+    assert [e.unwritten for e in p._pending] == [{2}, {2}]

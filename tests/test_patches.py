@@ -260,12 +260,20 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
     no_drafts = _spec_metadata([[]] * batch)
 
+    handed = []  # the logits the bonus sampler gets: the caller's, as on the plain path
+    plain_sampler = sampler.sampler.forward
+    monkeypatch.setattr(sampler.sampler, "forward",
+                        lambda logits, *a, **k: handed.append(logits.data_ptr())
+                        or plain_sampler(logits, *a, **k))
     for temperature in (0.0, 1.0):
-        got = forward(sampler, no_drafts, None, logits.clone(), _sampling(batch, temperature, seeds))
+        given = logits.clone()
+        got = forward(sampler, no_drafts, None, given, _sampling(batch, temperature, seeds))
         assert not draws, "the patched path must not run rejection sampling"
+        assert handed == [given.data_ptr()], "zero-draft logits must not be gathered"
         want = original(sampler, no_drafts, None, logits.clone(), _sampling(batch, temperature, seeds))
         assert len(draws) == int(temperature > 0), "upstream changed its zero-draft path"
         draws.clear()
+        handed.clear()
         assert got.sampled_token_ids.shape == (batch, 1)
         assert got.sampled_token_ids.dtype == want.sampled_token_ids.dtype
         assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)

@@ -138,8 +138,14 @@ def _sample_plainly_without_drafts(mod: ModuleType) -> None:
                 # No request has a draft: the result is the bonus sample alone. Upstream
                 # would also draw a [batch, vocab] exponential for "recovered" tokens that
                 # no request has (generators are only drawn for requests with drafts).
+                # Every logits row is then a bonus row, in order (one sampled row per
+                # request), so the sampler takes them as the plain path does: the gather
+                # copy alone cost 0.33 / 0.66 ms at batch 8 / 16 on the CPU backend.
+                bonus = metadata.bonus_logits_indices
+                if logits.shape[0] != bonus.shape[0]:
+                    logits = logits[bonus]
                 return self.sampler(
-                    logits=logits[metadata.bonus_logits_indices],
+                    logits=logits,
                     sampling_metadata=sampling_metadata,
                     predict_bonus_token=True,
                 )
@@ -248,7 +254,8 @@ LEDGER: tuple[Patch, ...] = (
         symbol="RejectionSampler.forward",
         what="When no request of the step has a draft token and no logprobs are asked for, "
         "return the bonus sampler's output (what upstream returns in that case) without "
-        "running the rejection kernels.",
+        "running the rejection kernels, on the logits as they are (every row is a bonus "
+        "row then) rather than a gathered copy.",
         why="The V1 runner builds spec-decode metadata on every step once speculation is "
         "configured, so steps that draft nothing (prefills, adaptive speculation at k = 0) "
         "still pay for rejection sampling; at temperature > 0 that includes a [batch, vocab] "

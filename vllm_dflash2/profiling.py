@@ -19,6 +19,8 @@ import torch
 
 _TIMES: dict[str, float] = defaultdict(float)
 _COUNTS: dict[str, int] = defaultdict(int)
+_NESTED: dict[str, float] = defaultdict(float)  # timed calls made inside a key's calls
+_ACTIVE: list[str] = []  # keys of the timed calls now running, outermost first
 _INSTALLED_ATTR = "_vllm_dflash2_profiled"
 
 
@@ -35,12 +37,17 @@ def _wrap(obj, attr: str, key: str) -> None:
     def timed(*args, **kwargs):
         _sync()
         start = time.perf_counter()
+        _ACTIVE.append(key)
         try:
             return orig(*args, **kwargs)
         finally:
             _sync()
-            _TIMES[key] += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            _ACTIVE.pop()
+            _TIMES[key] += spent
             _COUNTS[key] += 1
+            if _ACTIVE:
+                _NESTED[_ACTIVE[-1]] += spent
 
     setattr(timed, _INSTALLED_ATTR, True)
     setattr(obj, attr, timed)
@@ -66,8 +73,17 @@ def install(worker) -> list[str]:
     if drafter is not None:
         _wrap(runner, "propose_draft_token_ids", "draft/total")
         _wrap(drafter, "set_inputs_first_pass", "draft/input_prep")
+        # Upstream's runner -> drafter input steps, run on every step once speculation
+        # is configured (also at k = 0).
+        _wrap(drafter, "prepare_next_token_ids_padded", "draft/vllm_prepare_padded")
+        _wrap(drafter, "prepare_inputs_padded", "draft/vllm_prepare_padded")
+        # Ours at k = 0: stashing a step's context rows, settling departed requests' rows
+        # (their draft K/V writes nest in it and are timed as context rows below).
+        _wrap(drafter, "_defer_context", "draft/context_stash")
+        _wrap(drafter, "_write_context_of_departed", "draft/context_stash")
         _wrap(drafter, "build_per_group_and_layer_attn_metadata", "draft/attn_metadata")
         model = drafter.model
+        _wrap(model, "combine_hidden_states", "draft/context_kv")  # the fc over context rows
         _wrap(model, "precompute_and_store_context_kv", "draft/context_kv")
         _wrap(model, "forward", "draft/forward")
         _wrap(drafter, "_sample_draft_tokens", "draft/candidates_and_selector")
@@ -87,10 +103,14 @@ def install(worker) -> list[str]:
 def reset(worker) -> None:
     _TIMES.clear()
     _COUNTS.clear()
+    _NESTED.clear()
 
 
 def read(worker) -> dict[str, dict[str, float]]:
-    return {k: {"seconds": _TIMES[k], "calls": _COUNTS[k]} for k in sorted(_TIMES)}
+    """key -> seconds (inclusive), calls, and nested_seconds: the part of those seconds
+    spent in other timed calls made from inside it."""
+    return {k: {"seconds": _TIMES[k], "calls": _COUNTS[k], "nested_seconds": _NESTED[k]}
+            for k in sorted(_TIMES)}
 
 
 def adaptive_state(worker) -> dict | None:

@@ -36,15 +36,21 @@ _MAX_PENDING_ROWS = 2048
 
 @dataclasses.dataclass
 class _Pending:
-    """Context rows of one k = 0 step whose draft K/V is not written yet."""
+    """Context rows of one k = 0 step whose draft K/V is not written yet. Each request's
+    rows are one contiguous run, in position order (the step's scheduled tokens)."""
     req_ids: list[str]  # the batch of that step, in row-owner index order
     owner: torch.Tensor  # [rows] index into req_ids
     hidden: torch.Tensor  # [rows, A * Ht] the target's aux hidden states
     positions: torch.Tensor  # [rows]
     slots: torch.Tensor  # [rows] draft KV slots, as upstream's input kernel computes them
+    starts: list[int]  # first row of each owner
+    counts: list[int]  # rows of each owner
     # Owners (indices into req_ids) whose rows are not settled yet. A departed request's
     # rows are written or dropped and its index removed here; the rows stay in place.
     unwritten: set[int] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.index = {r: i for i, r in enumerate(self.req_ids)}
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden, positions, slots) of the unwritten rows."""
@@ -263,10 +269,12 @@ class DFlash2Proposer(DFlashProposer):
             return False
         if rows == num_reqs:  # one row per request: a decode step
             owner = torch.arange(rows, dtype=torch.int64, device=self.device)
+            starts, counts = list(range(rows)), [1] * rows
         else:
+            lengths = qsl[1:] - qsl[:-1]
             owner = torch.repeat_interleave(
-                torch.arange(num_reqs, dtype=torch.int64), qsl[1:] - qsl[:-1]
-            ).to(self.device)
+                torch.arange(num_reqs, dtype=torch.int64), lengths).to(self.device)
+            starts, counts = qsl[:-1].tolist(), lengths.tolist()
         # A copy: the runner rewrites its positions buffer next step.
         positions = target_positions[:rows].to(torch.int64, copy=True)
         table = cad.block_table_tensor
@@ -274,7 +282,7 @@ class DFlash2Proposer(DFlashProposer):
         column = (positions // self.block_size).clamp(max=table.shape[1] - 1)
         slots = table[owner, column].to(torch.int64) * self.block_size + positions % self.block_size
         self._pending.append(_Pending(req_ids, owner, target_hidden_states[:rows].clone(),
-                                      positions, slots, set(range(num_reqs))))
+                                      positions, slots, starts, counts, set(range(num_reqs))))
         self._pending_rows += rows
         self._batch_ids = req_ids
         self.context_rows_deferred += rows
@@ -295,45 +303,48 @@ class DFlash2Proposer(DFlashProposer):
         req_ids = self._runner.input_batch.req_ids
         if req_ids == self._batch_ids:
             return
+        # Every pending owner was in the batch of the last call (a departure is settled
+        # at the first call that misses it), so only those requests can have left.
         live = set(req_ids)
-        departed = []
-        for entry in self._pending:
-            gone = [i for i in entry.unwritten if entry.req_ids[i] not in live]
-            if gone:
-                departed.append((entry, gone))
-                entry.unwritten.difference_update(gone)
+        departed = [r for r in self._batch_ids if r not in live]
         if departed:
             self._settle_departed(departed)
-        self._pending = [e for e in self._pending if e.unwritten]
-        self._pending_rows = sum(e.owner.shape[0] for e in self._pending)
+            self._pending = [e for e in self._pending if e.unwritten]
+            self._pending_rows = sum(e.owner.shape[0] for e in self._pending)
         self._batch_ids = list(req_ids)
 
-    def _settle_departed(self, departed: list[tuple[_Pending, list[int]]]) -> None:
-        """Write the full-block rows of departed owners, drop the rest (see above)."""
+    def _settle_departed(self, departed: list[str]) -> None:
+        """Write the full-block rows of departed requests, drop the rest (see above).
+        Python bookkeeping per request and entry; tensors are read only where a request
+        filled a block (and only its last position, and one first position per entry)."""
         bs = self.block_size
-        # Positions each departed request computed: pending rows are every request's
-        # newest (a drafting step flushes them all first), so its last one ends them.
-        end: dict[str, int] = {}
-        for entry, gone in departed:
-            last = torch.zeros(len(entry.req_ids), dtype=torch.int64, device=entry.owner.device)
-            last.scatter_reduce_(0, entry.owner, entry.positions + 1, "amax")
-            for i in gone:
-                rid = entry.req_ids[i]
-                end[rid] = max(end.get(rid, 0), int(last[i]))
         write = []
-        for entry, gone in departed:
-            rows = _rows_of(entry.owner, gone)
-            # Per owner: positions below this are in full blocks (0: none kept, also for
-            # owners still in the batch).
-            limit = torch.zeros(len(entry.req_ids), dtype=torch.int64, device=entry.owner.device)
+        for rid in departed:
+            held = []  # (entry, owner index) of the entries holding rows of rid
+            for e in self._pending:
+                i = e.index.get(rid)
+                if i is not None and i in e.unwritten:
+                    e.unwritten.discard(i)
+                    if e.counts[i]:
+                        held.append((e, i))
+            if not held:
+                continue
+            limit = 0  # positions below this are in blocks the request filled
             if self._prefix_caching:
-                for i in gone:
-                    limit[i] = end[entry.req_ids[i]] // bs * bs
-            keep = rows & (entry.positions < limit[entry.owner])
-            kept = int(keep.sum())
-            self.context_rows_dropped += int(rows.sum()) - kept
-            if kept:
-                write.append((entry.hidden[keep], entry.positions[keep], entry.slots[keep]))
+                # Pending rows are each request's newest (a drafting step flushes them all
+                # first), so the last row of its newest entry ends what it computed.
+                last, i = held[-1]
+                end = int(last.positions[last.starts[i] + last.counts[i] - 1]) + 1
+                limit = end // bs * bs
+            for entry, i in held:
+                start, count = entry.starts[i], entry.counts[i]
+                keep = 0
+                if limit:
+                    keep = min(count, max(0, limit - int(entry.positions[start])))
+                self.context_rows_dropped += count - keep
+                if keep:
+                    rows = slice(start, start + keep)
+                    write.append((entry.hidden[rows], entry.positions[rows], entry.slots[rows]))
         if write:
             self._store_context_kv(write)
 
@@ -346,7 +357,7 @@ class DFlash2Proposer(DFlashProposer):
 
     def unwritten_context_rows(self) -> int:
         """Deferred rows not settled yet (neither written nor dropped)."""
-        return sum(int(_rows_of(e.owner, e.unwritten).sum()) for e in self._pending)
+        return sum(e.counts[i] for e in self._pending for i in e.unwritten)
 
     def _store_context_kv(self, parts) -> None:
         """Write the draft K/V of (hidden, positions, slots) row groups in one batch."""
