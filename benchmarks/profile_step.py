@@ -116,6 +116,7 @@ def summarize(rounds: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rounds)
     drafts = sum(r["drafts"] for r in rounds)
     keys = {k for r in rounds for k in r["timers"]}
+
     def per_step(field):  # ms per step
         return {k: sum(r["timers"].get(k, {}).get(field, 0.0) for r in rounds) / steps * 1e3
                 for k in sorted(keys)}
