@@ -9,6 +9,13 @@ offline, a new request starts as soon as one finishes, and the clock stops once
 ``c * --max-tokens * --waves`` output tokens are out; the requests still running are
 aborted, so the drain at the end (fewer than c in flight) is never timed. Served,
 ``vllm bench serve`` sends ``4 c`` requests, so its drain is at most a fifth of the run.
+``--load lockstep`` (offline) keeps the same load on every method's engine, all in this
+process, and steps them one step each in turn: ``--warmup-steps`` untimed, then
+``--rounds`` blocks of ``--block-steps`` steps, each block a "round" of the tables (its
+tokens/s ratio to no_spec's same block). A slow spell of the machine then lands on every
+method alike; measured in turn, rounds lie up to minutes apart and their ratios spread by
+10-40% here. An adaptive engine's controller times only its own steps
+(``load.ExcludingClock``).
 ``--load wave`` times one wave of c requests started together until the last one ends
 (how the README's older tables were measured). With speculation the requests of a wave
 finish apart and the last ones run on at a smaller batch (``benchmarks/wave_spread.py``),
@@ -172,7 +179,9 @@ def run_offline(methods: list[str], args,
     token_prompts = chat_prompts(next(iter(engines.values())), prompts)
     acc: dict = {}
     records = []
-    for temperature, c, r in _points(args):
+    if args.load == "lockstep":
+        _run_lockstep(engines, methods, args, token_prompts, acc)
+    for temperature, c, r in ([] if args.load == "lockstep" else _points(args)):
         # Unseeded, like served traffic: adaptive speculation keeps the full K while
         # a seeded request is in the batch (seeded outputs must reproduce).
         def make_params():
@@ -216,6 +225,55 @@ def run_offline(methods: list[str], args,
     del engines, adaptive
     gc.collect()
     return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()], controller, records
+
+
+def _run_lockstep(engines: dict, methods: list[str], args, token_prompts: list,
+                  acc: dict) -> None:
+    """Every point with the engines stepped in turn (``load.lockstep``); fills ``acc`` as
+    run_offline's loop does, one "round" per block of steps."""
+    from vllm import SamplingParams
+
+    from vllm_dflash2.load import ExcludingClock, SustainedLoad, lockstep
+    from vllm_dflash2.profiling import install_clock
+    from vllm_dflash2.testing import spec_decode_counts
+
+    clocks = {}
+    for m, llm in engines.items():
+        if type(llm.llm_engine.engine_core).__name__ != "InprocClient":
+            raise RuntimeError(f"--load lockstep: the {m} engine runs out of this process; "
+                               "lockstep needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        if base_method(m) == "dflash2_adaptive":
+            clock = clocks[m] = ExcludingClock()
+            if llm.collective_rpc(install_clock, args=(clock,))[0] != id(clock):
+                raise RuntimeError(f"--load lockstep: the {m} engine's worker runs out of "
+                                   "this process")
+    for temperature in args.temperatures:
+        for c in args.concurrency:
+            def make_params():
+                return SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                      ignore_eos=True)
+
+            # The same requests on every engine; each c starts further along the prompts.
+            loads = {m: SustainedLoad(engines[m], token_prompts, make_params, c, first=c)
+                     for m in methods}
+            if args.warmup_steps:  # adaptive settles at this batch size
+                lockstep(loads, args.warmup_steps, clocks)
+            counts = {m: spec_decode_counts(engines[m]) for m in methods}
+            for r in range(args.rounds):
+                for m, (tokens, elapsed) in lockstep(loads, args.block_steps, clocks).items():
+                    a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0, []])
+                    a[0] += tokens
+                    a[1] += elapsed
+                    a[2].append(elapsed * c / max(tokens, 1) * 1e3)
+                    a[5].append(tokens / elapsed)
+                    print(json.dumps({"lockstep": m, "T": temperature, "c": c, "round": r,
+                                      "tok_s": round(tokens / elapsed, 2)}), flush=True)
+            for m in methods:
+                d, a_ = (x - y for x, y in zip(spec_decode_counts(engines[m]), counts[m]))
+                acc[(m, temperature, c)][3] += d
+                acc[(m, temperature, c)][4] += a_
+            for load in loads.values():
+                load.stop()
 
 
 # -- served --------------------------------------------------------------------
@@ -287,6 +345,23 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
         r["speedup_by_round"] = [x / y for x, y in zip(r["tokens_per_s_by_round"],
                                                        b["tokens_per_s_by_round"])] if b else None
+        per_round = r["speedup_by_round"] or []
+        r["speedup_by_round_mean"] = sum(per_round) / len(per_round) if per_round else None
+        r["speedup_by_round_ci95"] = (mean_ci95(per_round)
+                                      if len(per_round) >= CI_ROUNDS and r is not b else None)
+
+
+CI_ROUNDS = 8  # from this many rounds on, the tables give a 95% interval, not lowest-highest
+
+
+def mean_ci95(values: list[float], resamples: int = 4000) -> tuple[float, float]:
+    """Percentile bootstrap 95% interval of the mean (rounds resampled; seeded)."""
+    import random
+
+    rng = random.Random(0)
+    n = len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def markdown(rows: list[dict], methods: list[str]) -> str:
@@ -295,8 +370,11 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
         for t in sorted({r["temperature"] for r in rows}):
             sel = [r for r in rows if r["mode"] == mode and r["temperature"] == t]
             concs = sorted({r["concurrency"] for r in sel})
+            ci = any(r.get("speedup_by_round_ci95") for r in sel)
+            spread = ("95% interval of the mean per-round speedup" if ci
+                      else "lowest-highest per-round speedup")
             lines.append(f"\n{mode}, temperature {t}: tokens/s (speedup vs no_spec, "
-                         "lowest-highest per-round speedup, tau)\n")
+                         f"{spread}, tau)\n")
             lines.append("| method | " + " | ".join(f"c={c}" for c in concs) + " |")
             lines.append("|---|" + "---|" * len(concs))
             for m in [m for m in methods if any(x["method"] == m for x in sel)]:
@@ -308,7 +386,10 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
                         continue
                     extra = f" ({r['speedup']:.2f}x" if r.get("speedup") else " ("
                     per_round = r.get("speedup_by_round") or []
-                    if len(per_round) > 1 and m != "no_spec":
+                    if r.get("speedup_by_round_ci95"):
+                        lo, hi = r["speedup_by_round_ci95"]
+                        extra += f" {lo:.2f}-{hi:.2f}"
+                    elif len(per_round) > 1 and m != "no_spec":
                         extra += f" {min(per_round):.2f}-{max(per_round):.2f}"
                     extra += f", tau {r['tau']:.2f})" if r.get("tau") else ")"
                     cells.append(f"{r['tokens_per_s']:.1f}{extra}")
@@ -358,9 +439,15 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds per point; each round measures every method once")
-    parser.add_argument("--load", choices=["sustained", "wave"], default="sustained",
+    parser.add_argument("--load", choices=["sustained", "wave", "lockstep"], default="sustained",
                         help="sustained: c requests in flight all the time (default); "
-                             "wave: c requests started together, timed until the last ends")
+                             "wave: c requests started together, timed until the last ends; "
+                             "lockstep: sustained, every method's engine stepped in turn "
+                             "(offline only)")
+    parser.add_argument("--block-steps", type=int, default=24,
+                        help="lockstep: steps of each engine per round (block)")
+    parser.add_argument("--warmup-steps", type=int, default=24,
+                        help="lockstep: untimed steps at each point before its rounds")
     parser.add_argument("--settle", type=float, default=2.0,
                         help="seconds of quiet before each measurement, so that the engine "
                              "measured before has stopped spinning")
@@ -377,6 +464,17 @@ def main():
                              "batch, k, accepted) of every measurement to OUT.steps.jsonl")
     parser.add_argument("--out", default="benchmarks/results/e2e_cpu")
     args = parser.parse_args()
+    if args.load == "lockstep" and args.mode != "offline":
+        parser.error(f"--load lockstep with --mode {args.mode}: lockstep is offline only "
+                     "(pass --mode offline)")
+    if args.load == "lockstep" and args.step_record:
+        parser.error("--step-record with --load lockstep: the step record is written for "
+                     "--load sustained or wave only")
+    if args.load == "lockstep" and (args.block_steps < 1 or args.warmup_steps < 0):
+        parser.error(f"--block-steps {args.block_steps} / --warmup-steps {args.warmup_steps}: "
+                     "expected >= 1 / >= 0")
+    if args.load == "lockstep":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine in this process
     if args.step_record:
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 

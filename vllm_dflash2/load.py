@@ -4,7 +4,8 @@
 apart (each advances by its own accepted drafts) and the last ones run on at a smaller
 batch, so the wave measures its slowest request, not c-way throughput. A loaded server
 refills instead: a finished request's slot goes to the next one in its queue. This drives
-the engine's own request loop the same way, for ``benchmarks/bench_e2e.py``.
+the engine's own request loop the same way, for ``benchmarks/bench_e2e.py``; ``lockstep``
+drives several engines of one process a step each in turn (``--load lockstep``).
 """
 
 from __future__ import annotations
@@ -26,50 +27,120 @@ class SustainedRun:
     in_flight: tuple[int, int]  # fewest and most unfinished requests the engine held at a step
 
 
-def sustained(llm, prompts: list, make_params: Callable, concurrency: int,
-              budget: int, first: int = 0) -> SustainedRun:
-    """Keep ``concurrency`` requests in the engine until ``budget`` output tokens are out.
+class SustainedLoad:
+    """``concurrency`` requests kept in one engine: each ``step()`` runs one engine step
+    and replaces the requests it finished before returning.
 
     ``prompts`` cycle from index ``first`` (anything ``LLMEngine.add_request`` takes, e.g.
-    token-id prompts; runs that should see different prompts pass different ``first``);
-    ``make_params()`` gives each request its ``SamplingParams``. A finished request is
-    replaced before the next engine step. The clock stops at the step that reaches the
-    budget; the requests still running then are aborted and drained untimed, so the
-    engine is idle again on return.
+    token-id prompts; loads that should see different prompts pass different ``first``);
+    ``make_params()`` gives each request its ``SamplingParams``.
     """
-    if concurrency < 1 or budget < 1:
-        raise ValueError(f"concurrency={concurrency}, budget={budget}: expected both >= 1")
-    engine = llm.llm_engine
-    if engine.has_unfinished_requests():
-        raise RuntimeError("sustained: the engine already has unfinished requests")
-    emitted: dict[str, int] = {}  # request id -> output tokens so far
-    done: set[str] = set()
 
-    def add() -> None:
+    def __init__(self, llm, prompts: list, make_params: Callable, concurrency: int,
+                 first: int = 0):
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency}: expected >= 1")
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt, got none")
+        self.engine = llm.llm_engine
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("SustainedLoad: the engine already has unfinished requests")
+        self._prompts, self._make_params, self._first = prompts, make_params, first
+        self.emitted: dict[str, int] = {}  # request id -> output tokens so far
+        self.outputs: dict[str, list[int]] = {}  # finished request id -> its tokens
+        self.lo, self.hi = concurrency, 0  # fewest and most unfinished requests at a step
+        for _ in range(concurrency):
+            self._add()
+
+    def _add(self) -> None:
         rid = f"sustained-{next(_ids)}"
-        engine.add_request(rid, prompts[(first + len(emitted)) % len(prompts)], make_params())
-        emitted[rid] = 0
+        n = len(self.emitted)
+        self.engine.add_request(rid, self._prompts[(self._first + n) % len(self._prompts)],
+                                self._make_params())
+        self.emitted[rid] = 0
 
-    lo, hi = concurrency, 0
+    def step(self) -> int:
+        """One engine step; returns the output tokens it produced."""
+        held = self.engine.get_num_unfinished_requests()
+        self.lo, self.hi = min(self.lo, held), max(self.hi, held)
+        new = 0
+        for out in self.engine.step():
+            n = len(out.outputs[0].token_ids)
+            new += n - self.emitted[out.request_id]
+            self.emitted[out.request_id] = n
+            if out.finished:
+                self.outputs[out.request_id] = list(out.outputs[0].token_ids)
+                self._add()
+        return new
+
+    def stop(self) -> None:
+        """Abort the requests still running and drain them: the engine is idle on return."""
+        self.engine.abort_request([r for r in self.emitted if r not in self.outputs])
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def sustained(llm, prompts: list, make_params: Callable, concurrency: int,
+              budget: int, first: int = 0) -> SustainedRun:
+    """Keep ``concurrency`` requests in the engine until ``budget`` output tokens are out
+    (``SustainedLoad``). The clock stops at the step that reaches the budget; the requests
+    still running then are aborted and drained untimed, so the engine is idle on return.
+    """
+    if budget < 1:
+        raise ValueError(f"budget={budget}: expected >= 1")
     start = time.perf_counter()
-    for _ in range(concurrency):
-        add()
+    load = SustainedLoad(llm, prompts, make_params, concurrency, first)
     total = 0
     while total < budget:
-        held = engine.get_num_unfinished_requests()
-        lo, hi = min(lo, held), max(hi, held)
-        for out in engine.step():
-            n = len(out.outputs[0].token_ids)
-            total += n - emitted[out.request_id]
-            emitted[out.request_id] = n
-            if out.finished:
-                done.add(out.request_id)
-                add()
+        total += load.step()
     seconds = time.perf_counter() - start
-    engine.abort_request([r for r in emitted if r not in done])
-    while engine.has_unfinished_requests():
-        engine.step()
-    return SustainedRun(total, seconds, len(emitted), len(done), (lo, hi))
+    load.stop()
+    return SustainedRun(total, seconds, len(load.emitted), len(load.outputs), (load.lo, load.hi))
+
+
+# -- lockstep: several engines of one process, one step each in turn -----------------
+# Measured one after the other, two engines' runs of a point lie seconds to minutes
+# apart, and on a shared machine their per-round ratios spread by 10-40%. Stepped in
+# turn, each engine's step lies a step away from the other's, so slow spells land on
+# both alike; the ratios of blocks of steps are then what to read.
+
+class ExcludingClock:
+    """``time.perf_counter`` less the time other engines' steps took (``exclude``): an
+    adaptive controller stepped in lockstep with other engines times its own steps only
+    (``profiling.install_clock`` gives it to a proposer)."""
+
+    def __init__(self, timer: Callable[[], float] = time.perf_counter):
+        self._timer = timer
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def __call__(self) -> float:
+        return self._timer() - self.excluded
+
+
+def lockstep(loads: dict, steps: int, clocks: dict | None = None,
+             timer: Callable[[], float] = time.perf_counter) -> dict[str, tuple[int, float]]:
+    """``steps`` rounds of one ``step()`` of every load, in turn (the order of ``loads``,
+    reversed on every other round). Returns each load's (tokens, seconds) over those
+    steps. ``clocks[name]``, where given, is told to leave out every other load's steps."""
+    if steps < 1:
+        raise ValueError(f"steps={steps}: expected >= 1")
+    clocks = clocks or {}
+    names = list(loads)
+    tokens = dict.fromkeys(names, 0)
+    seconds = dict.fromkeys(names, 0.0)
+    for i in range(steps):
+        for name in (names[::-1] if i % 2 else names):
+            t0 = timer()
+            tokens[name] += loads[name].step()
+            dt = timer() - t0
+            seconds[name] += dt
+            for other, clock in clocks.items():
+                if other != name:
+                    clock.exclude(dt)
+    return {n: (tokens[n], seconds[n]) for n in names}
 
 
 def chat_prompts(llm, prompts: list[str]) -> list[dict]:

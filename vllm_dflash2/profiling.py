@@ -175,6 +175,16 @@ def force_k(worker, k: int | list[int]) -> None:
     drafter.adaptive = fixed
 
 
+def install_clock(worker, clock) -> int:
+    """Give the adaptive controller ``clock`` (a ``load.ExcludingClock``) in place of
+    ``time.perf_counter``. Returns the id of the clock the proposer now holds: equal to
+    ``id(clock)`` only where the worker runs in the caller's process, which lockstep
+    needs (the caller tells the clock what to leave out)."""
+    drafter = worker.model_runner.drafter
+    drafter.clock = clock
+    return id(drafter.clock)
+
+
 def context_counters(worker) -> dict[str, int]:
     """How many context rows the proposer deferred, how many batched writes it made and
     how many rows they wrote, how many rows of departed requests it dropped (partial

@@ -84,6 +84,10 @@ class DFlash2Proposer(DFlashProposer):
             self.adaptive = self._controllers[True]
         self._k_prev = 0
         self._t_prev: float | None = None
+        # The controller's clock. A benchmark that steps several engines of one process in
+        # turn (bench_e2e.py --load lockstep) swaps in one that leaves out the other
+        # engines' steps (load.ExcludingClock via profiling.install_clock).
+        self.clock = time.perf_counter
         # What the controller saw, step by step (profiling.step_record reads it).
         keep = _step_record_length()
         self.step_record: deque | None = deque(maxlen=keep) if keep else None
@@ -147,7 +151,7 @@ class DFlash2Proposer(DFlashProposer):
                 common_attn_metadata, sampling_metadata, *args, **kwargs):
         k = num_speculative_tokens
         if self.adaptive is not None:
-            now = time.perf_counter()
+            now = self.clock()
             self._observe_verified_step(now, common_attn_metadata)  # the previous controller
             self.adaptive = self._controllers[bool(sampling_metadata.all_greedy)]
             k = self.adaptive.choose(common_attn_metadata.batch_size(), num_speculative_tokens)
