@@ -118,9 +118,9 @@ def _pending(req_ids, owner, positions):
 
     counts = [owner.count(i) for i in range(len(req_ids))]  # each owner's rows: one run
     starts = [owner.index(i) if counts[i] else 0 for i in range(len(req_ids))]
-    owner, positions = torch.tensor(owner), torch.tensor(positions)
+    positions = torch.tensor(positions)
     hidden = positions.float().unsqueeze(1).repeat(1, 3)  # a row's hidden names its position
-    return _Pending(list(req_ids), owner, hidden, positions, positions + 100, starts, counts,
+    return _Pending(list(req_ids), hidden, positions, positions + 100, starts, counts,
                     set(range(len(req_ids))))
 
 

@@ -38,11 +38,10 @@ _MAX_PENDING_ROWS = 2048
 class _Pending:
     """Context rows of one k = 0 step whose draft K/V is not written yet. Each request's
     rows are one contiguous run, in position order (the step's scheduled tokens)."""
-    req_ids: list[str]  # the batch of that step, in row-owner index order
-    owner: torch.Tensor  # [rows] index into req_ids
+    req_ids: list[str]  # the batch of that step; an owner is an index into it
     hidden: torch.Tensor  # [rows, A * Ht] the target's aux hidden states
     positions: torch.Tensor  # [rows]
-    slots: torch.Tensor  # [rows] draft KV slots, as upstream's input kernel computes them
+    slots: torch.Tensor  # [rows] the draft KV slots of those tokens
     starts: list[int]  # first row of each owner
     counts: list[int]  # rows of each owner
     # Owners (indices into req_ids) whose rows are not settled yet. A departed request's
@@ -56,7 +55,9 @@ class _Pending:
         """(hidden, positions, slots) of the unwritten rows."""
         if len(self.unwritten) == len(self.req_ids):
             return self.hidden, self.positions, self.slots  # none settled yet: no gather
-        m = _rows_of(self.owner, self.unwritten)
+        m = torch.tensor([r for i in sorted(self.unwritten)
+                          for r in range(self.starts[i], self.starts[i] + self.counts[i])],
+                         dtype=torch.int64, device=self.hidden.device)
         return self.hidden[m], self.positions[m], self.slots[m]
 
 
@@ -265,28 +266,25 @@ class DFlash2Proposer(DFlashProposer):
             return False
         qsl = cad.query_start_loc_cpu
         rows = target_token_ids.shape[0]
-        if qsl is None or int(qsl[-1]) != rows:
+        if qsl is None or int(qsl[-1]) != rows or cad.slot_mapping.shape[0] < rows:
             return False
         req_ids = list(self._runner.input_batch.req_ids)
         num_reqs = cad.batch_size()
         if len(req_ids) != num_reqs:
             return False
         if rows == num_reqs:  # one row per request: a decode step
-            owner = torch.arange(rows, dtype=torch.int64, device=self.device)
             starts, counts = list(range(rows)), [1] * rows
         else:
-            lengths = qsl[1:] - qsl[:-1]
-            owner = torch.repeat_interleave(
-                torch.arange(num_reqs, dtype=torch.int64), lengths).to(self.device)
-            starts, counts = qsl[:-1].tolist(), lengths.tolist()
-        # A copy: the runner rewrites its positions buffer next step.
+            starts = qsl[:-1].tolist()
+            counts = (qsl[1:] - qsl[:-1]).tolist()
+        # Copies: the runner rewrites its position and slot buffers next step. The slots
+        # are the step's own: ``cad`` is the metadata of the drafter's KV cache group, and
+        # upstream's input kernel computes a context row's draft slot from the same block
+        # table and position (it clamps only query rows, past the context window).
         positions = target_positions[:rows].to(torch.int64, copy=True)
-        table = cad.block_table_tensor
-        # upstream's context slot: block_table[req, min(pos // bs, cols - 1)] * bs + pos % bs
-        column = (positions // self.block_size).clamp(max=table.shape[1] - 1)
-        slots = table[owner, column].to(torch.int64) * self.block_size + positions % self.block_size
-        self._pending.append(_Pending(req_ids, owner, target_hidden_states[:rows].clone(),
-                                      positions, slots, starts, counts, set(range(num_reqs))))
+        slots = cad.slot_mapping[:rows].to(torch.int64, copy=True)
+        self._pending.append(_Pending(req_ids, target_hidden_states[:rows].clone(), positions,
+                                      slots, starts, counts, set(range(num_reqs))))
         self._pending_rows += rows
         self._batch_ids = req_ids
         self.context_rows_deferred += rows
@@ -314,7 +312,7 @@ class DFlash2Proposer(DFlashProposer):
         if departed:
             self._settle_departed(departed)
             self._pending = [e for e in self._pending if e.unwritten]
-            self._pending_rows = sum(e.owner.shape[0] for e in self._pending)
+            self._pending_rows = sum(e.hidden.shape[0] for e in self._pending)
         self._batch_ids = list(req_ids)
 
     def _settle_departed(self, departed: list[str]) -> None:
@@ -430,11 +428,6 @@ class DFlash2Proposer(DFlashProposer):
             # int64 arithmetic wraps around, which is all a hash input needs.
             seeds[idx] = base * _SEED_MIX + anchor_pos[idx].to(torch.int64)
         return seeds
-
-
-def _rows_of(owner: torch.Tensor, owners) -> torch.Tensor:
-    """Mask of the rows whose owner index is in ``owners``."""
-    return torch.isin(owner, torch.tensor(sorted(owners), dtype=owner.dtype, device=owner.device))
 
 
 def _to_int64(value: int) -> int:
