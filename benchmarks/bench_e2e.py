@@ -29,6 +29,10 @@ so a wave measures its slowest request, not c-way throughput. Methods:
   dflash2_k0        offline only, not in the default set: the adaptive engine with its
                     controller forced to draft nothing, i.e. what keeping the drafter's
                     context costs; adaptive's gap to it is what its choices cost or gain
+  no_spec_twin      offline only: a second engine without speculation, the same as
+                    no_spec. Its "speedup" is what two identical engines of one run differ
+                    by: the resolution of that run (with lockstep, ~1-2% on this machine;
+                    see the README)
   METHOD_onednn     offline only, for no_spec, dflash2, dflash2_adaptive: the same with
                     vLLM's own CPU GEMM (VLLM_DFLASH2_CPU_GEMM=0) instead of our packed one
 
@@ -66,7 +70,9 @@ TWIN = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dfl
 METHODS = ["no_spec", "ngram", "dflash_v1", "dflash2", "dflash2_adaptive"]
 ONEDNN = "_onednn"  # suffix: the method on vLLM's own CPU GEMM (VLLM_DFLASH2_CPU_GEMM=0)
 # Offline only: k = 0 is forced through the engine's worker RPC; *_onednn set the worker's env.
-DIAGNOSTIC = ["dflash2_k0"] + [m + ONEDNN for m in ("no_spec", "dflash2", "dflash2_adaptive")]
+TWIN_BASE = "no_spec_twin"  # a second engine without speculation: the A/A control
+DIAGNOSTIC = ["dflash2_k0", TWIN_BASE] + [m + ONEDNN for m in ("no_spec", "dflash2",
+                                                                 "dflash2_adaptive")]
 _USER_GEMM = os.environ.get("VLLM_DFLASH2_CPU_GEMM")
 
 
@@ -78,7 +84,7 @@ def spec_config(method: str, args) -> tuple[dict | None, str]:
     """(speculative_config, VLLM_DFLASH2_ADAPTIVE) for one method."""
     k = args.k
     method = base_method(method)
-    if method == "no_spec":
+    if method in ("no_spec", TWIN_BASE):
         return None, "0"
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k,
@@ -181,7 +187,8 @@ def run_offline(methods: list[str], args,
     records = []
     if args.load == "lockstep":
         _run_lockstep(engines, methods, args, token_prompts, acc)
-    for temperature, c, r in ([] if args.load == "lockstep" else _points(args)):
+    points = [] if args.load == "lockstep" else _points(args)  # lockstep measured them above
+    for temperature, c, r in points:
         # Unseeded, like served traffic: adaptive speculation keeps the full K while
         # a seeded request is in the batch (seeded outputs must reproduce).
         def make_params():
@@ -438,7 +445,8 @@ def main():
     parser.add_argument("-k", type=int, default=7)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds per point; each round measures every method once")
+                        help="rounds per point; each round measures every method once "
+                             "(lockstep: a block of --block-steps steps of each)")
     parser.add_argument("--load", choices=["sustained", "wave", "lockstep"], default="sustained",
                         help="sustained: c requests in flight all the time (default); "
                              "wave: c requests started together, timed until the last ends; "
