@@ -74,9 +74,11 @@ def install(worker) -> list[str]:
         _wrap(runner, "propose_draft_token_ids", "draft/total")
         _wrap(drafter, "set_inputs_first_pass", "draft/input_prep")
         # Upstream's runner -> drafter input steps, run on every step once speculation
-        # is configured (also at k = 0).
+        # is configured; a step that only stashes context puts them off, and one that
+        # then drafts runs them late (_resolve).
         _wrap(drafter, "prepare_next_token_ids_padded", "draft/vllm_prepare_padded")
         _wrap(drafter, "prepare_inputs_padded", "draft/vllm_prepare_padded")
+        _wrap(drafter, "_resolve", "draft/vllm_prepare_padded")
         # Ours at k = 0: stashing a step's context rows, settling departed requests' rows
         # (their draft K/V writes nest in it and are timed as context rows below).
         _wrap(drafter, "_defer_context", "draft/context_stash")
@@ -188,12 +190,14 @@ def install_clock(worker, clock) -> int:
 def context_counters(worker) -> dict[str, int]:
     """How many context rows the proposer deferred, how many batched writes it made and
     how many rows they wrote, how many rows of departed requests it dropped (partial
-    blocks), and how many rows are not settled yet (see DFlash2Proposer._defer_context)."""
+    blocks), how many rows are not settled yet (see DFlash2Proposer._defer_context), and
+    on how many steps the runner's input preparation was never needed (_may_put_off)."""
     drafter = worker.model_runner.drafter
     return {"deferred_rows": drafter.context_rows_deferred,
             "writes": drafter.context_flushes, "written_rows": drafter.context_rows_written,
             "dropped_rows": drafter.context_rows_dropped,
-            "unwritten_rows": drafter.unwritten_context_rows()}
+            "unwritten_rows": drafter.unwritten_context_rows(),
+            "prepares_put_off": drafter.prepares_put_off}
 
 
 _TORCH_PROFILER = None
