@@ -129,10 +129,13 @@ class DFlash2Proposer(DFlashProposer):
     # one else: with async scheduling (a copy event) it copies them to the host at once.
 
     def _may_put_off(self, sampled_token_ids) -> bool:
+        # A runner without that attribute is one this was not checked against: no put-off
+        # (tests/test_deferred_context.py then fails on its counter).
+        runner = self._runner
         return (self.adaptive is not None and self.defer_context and not self._drafted
                 and sampled_token_ids.dim() == 2 and sampled_token_ids.shape[1] == 1
-                and self._runner is not None
-                and getattr(self._runner, "valid_sampled_token_count_event", None) is None)
+                and hasattr(runner, "valid_sampled_token_count_event")
+                and runner.valid_sampled_token_count_event is None)
 
     def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch,
                                       discard_request_mask):
