@@ -31,10 +31,17 @@ def test_lockstep_steps_in_turn_and_clocks_leave_out_the_others():
     clocks = {"b": ExcludingClock(timer)}
     got = lockstep(loads, 4, clocks, timer=timer)
     assert got == {"a": (4, 2.0), "b": (12, 1.0)}
-    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # order reversed every round
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # each round starts one on
     # b's clock advanced by b's own steps only: 3 s passed, 2 s of them a's.
     assert clocks["b"].excluded == pytest.approx(2.0)
     assert clocks["b"]() == pytest.approx(100.0 + 1.0)
+
+
+def test_lockstep_gives_every_load_every_place():
+    timer, calls = _Timer(), []
+    loads = {n: _Load(n, timer, 0.1, 1, calls) for n in "abc"}
+    lockstep(loads, 3, timer=timer)
+    assert calls == list("abc" "bca" "cab")  # no load twice in a row, each in every place
 
 
 def test_lockstep_needs_a_step():

@@ -122,8 +122,9 @@ class ExcludingClock:
 
 def lockstep(loads: dict, steps: int, clocks: dict | None = None,
              timer: Callable[[], float] = time.perf_counter) -> dict[str, tuple[int, float]]:
-    """``steps`` rounds of one ``step()`` of every load, in turn (the order of ``loads``,
-    reversed on every other round). Returns each load's (tokens, seconds) over those
+    """``steps`` rounds of one ``step()`` of every load, in turn. Round i starts at load
+    i mod n of ``loads`` and goes on in its order, so every load takes every place equally
+    often and none steps twice in a row. Returns each load's (tokens, seconds) over those
     steps. ``clocks[name]``, where given, is told to leave out every other load's steps."""
     if steps < 1:
         raise ValueError(f"steps={steps}: expected >= 1")
@@ -132,7 +133,8 @@ def lockstep(loads: dict, steps: int, clocks: dict | None = None,
     tokens = dict.fromkeys(names, 0)
     seconds = dict.fromkeys(names, 0.0)
     for i in range(steps):
-        for name in (names[::-1] if i % 2 else names):
+        first = i % len(names) if names else 0
+        for name in names[first:] + names[:first]:
             t0 = timer()
             tokens[name] += loads[name].step()
             dt = timer() - t0
