@@ -218,20 +218,26 @@ def run_offline(methods: list[str], args,
                 records.append({"method": m, "temperature": temperature, "concurrency": c,
                                 "round": r,
                                 **compact_steps(llm.collective_rpc(step_record)[0])})
-            a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0, []])
-            a[0] += tokens
-            a[1] += elapsed
-            a[2].append(elapsed * c / tokens * 1e3)  # per request: seconds per output token
-            a[3] += d1 - d0
-            a[4] += a1 - a0
-            a[5].append(tokens / elapsed)
-            print(json.dumps({"offline": m, "T": temperature, "c": c, "round": r,
-                              "tok_s": round(tokens / elapsed, 2)}), flush=True)
+            _add_round(acc, "offline", m, temperature, c, r, tokens, elapsed, d1 - d0, a1 - a0)
     adaptive = engines.get("dflash2_adaptive")
     controller = adaptive.collective_rpc(adaptive_state)[0] if adaptive is not None else None
     del engines, adaptive
     gc.collect()
     return [_row("offline", m, t, c, *a) for (m, t, c), a in acc.items()], controller, records
+
+
+def _add_round(acc: dict, label: str, m: str, temperature: float, c: int, r: int, tokens: int,
+               elapsed: float, drafts: float, accepted: float) -> None:
+    """One round of one method at one offline point, into ``acc`` (_row's fields)."""
+    a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0, []])
+    a[0] += tokens
+    a[1] += elapsed
+    a[2].append(elapsed * c / max(tokens, 1) * 1e3)  # per request: seconds per output token
+    a[3] += drafts
+    a[4] += accepted
+    a[5].append(tokens / elapsed)
+    print(json.dumps({label: m, "T": temperature, "c": c, "round": r,
+                      "tok_s": round(tokens / elapsed, 2)}), flush=True)
 
 
 def _run_lockstep(engines: dict, methods: list[str], args, token_prompts: list,
@@ -265,20 +271,12 @@ def _run_lockstep(engines: dict, methods: list[str], args, token_prompts: list,
                      for m in methods}
             if args.warmup_steps:  # adaptive settles at this batch size
                 lockstep(loads, args.warmup_steps, clocks)
-            counts = {m: spec_decode_counts(engines[m]) for m in methods}
             for r in range(args.rounds):
+                before = {m: spec_decode_counts(engines[m]) for m in methods}
                 for m, (tokens, elapsed) in lockstep(loads, args.block_steps, clocks).items():
-                    a = acc.setdefault((m, temperature, c), [0, 0.0, [], 0, 0, []])
-                    a[0] += tokens
-                    a[1] += elapsed
-                    a[2].append(elapsed * c / max(tokens, 1) * 1e3)
-                    a[5].append(tokens / elapsed)
-                    print(json.dumps({"lockstep": m, "T": temperature, "c": c, "round": r,
-                                      "tok_s": round(tokens / elapsed, 2)}), flush=True)
-            for m in methods:
-                d, a_ = (x - y for x, y in zip(spec_decode_counts(engines[m]), counts[m]))
-                acc[(m, temperature, c)][3] += d
-                acc[(m, temperature, c)][4] += a_
+                    (d0, a0), (d1, a1) = before[m], spec_decode_counts(engines[m])
+                    _add_round(acc, "lockstep", m, temperature, c, r, tokens, elapsed,
+                               d1 - d0, a1 - a0)
             for load in loads.values():
                 load.stop()
 
@@ -472,16 +470,16 @@ def main():
                              "batch, k, accepted) of every measurement to OUT.steps.jsonl")
     parser.add_argument("--out", default="benchmarks/results/e2e_cpu")
     args = parser.parse_args()
-    if args.load == "lockstep" and args.mode != "offline":
-        parser.error(f"--load lockstep with --mode {args.mode}: lockstep is offline only "
-                     "(pass --mode offline)")
-    if args.load == "lockstep" and args.step_record:
-        parser.error("--step-record with --load lockstep: the step record is written for "
-                     "--load sustained or wave only")
-    if args.load == "lockstep" and (args.block_steps < 1 or args.warmup_steps < 0):
-        parser.error(f"--block-steps {args.block_steps} / --warmup-steps {args.warmup_steps}: "
-                     "expected >= 1 / >= 0")
     if args.load == "lockstep":
+        if args.mode != "offline":
+            parser.error(f"--load lockstep with --mode {args.mode}: lockstep is offline only "
+                         "(pass --mode offline)")
+        if args.step_record:
+            parser.error("--step-record with --load lockstep: the step record is written for "
+                         "--load sustained or wave only")
+        if args.block_steps < 1 or args.warmup_steps < 0:
+            parser.error(f"--block-steps {args.block_steps} / --warmup-steps "
+                         f"{args.warmup_steps}: expected >= 1 / >= 0")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine in this process
     if args.step_record:
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns

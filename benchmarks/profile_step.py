@@ -162,7 +162,7 @@ def split(run: dict) -> dict[str, float]:
         rows["draft forward other (embed, norms)"] = g("draft/forward") - layer_sum
         rows["candidates + selector"] = g("draft/candidates_and_selector")
         rows["k = 0 context stash + settle (ours)"] = own("draft/context_stash")
-        rows["prepare_*_padded (vLLM's, every step)"] = g("draft/vllm_prepare_padded")
+        rows["prepare_*_padded (vLLM's; put off at k = 0)"] = g("draft/vllm_prepare_padded")
         rows["draft inputs + metadata + rest of propose"] = (
             g("draft/total") - g("draft/context_kv") - g("draft/forward")
             - g("draft/candidates_and_selector") - own("draft/context_stash")

@@ -233,7 +233,7 @@ def test_in_process_executor_runs_dflash2(tiny_target, tiny_drafter):
 
 
 _LOCKSTEP_SCRIPT = """
-import json, os, sys, time
+import json, os, sys
 from vllm import LLM, SamplingParams
 from vllm_dflash2.load import ExcludingClock, SustainedLoad, lockstep
 from vllm_dflash2.profiling import install_clock, step_record
