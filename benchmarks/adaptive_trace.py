@@ -1,7 +1,7 @@
 """What adaptive speculation chooses in a fresh engine, point after point.
 
 One fresh DFlash2 engine with adaptive speculation (the shipped drafter, K = 7) is driven
-through the concurrencies in turn under sustained load (``vllm_dflash2.load.sustained``,
+through the concurrencies in turn under sustained load (``vllm_dflash2.tools.bench.load.sustained``,
 ``2 c x --max-tokens`` output tokens per point); after each point the controller's state
 is read: k chosen per batch-size bucket (cumulative), step cost per (bucket, k), the
 acceptance curve. It shows where a fresh engine spends steps on drafting and probing.
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the controller's state
 os.environ["VLLM_DFLASH2_ADAPTIVE"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,9 +40,9 @@ def main():
     from bench_e2e import load_prompts
     from vllm import LLM, SamplingParams
 
-    from vllm_dflash2 import assets
-    from vllm_dflash2.load import chat_prompts, sustained
-    from vllm_dflash2.profiling import adaptive_state, benchmark_env, default_dtype
+    from vllm_dflash2.tools import assets
+    from vllm_dflash2.tools.bench.load import chat_prompts, sustained
+    from vllm_dflash2.tools.bench.profiling import adaptive_state, benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     spec = {"method": "dflash", "model": args.drafter or str(assets.default_drafter()),

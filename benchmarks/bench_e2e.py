@@ -63,6 +63,7 @@ from pathlib import Path
 
 # Every method's engine is up at once: 1 GiB of KV each holds 16 requests of 1024 tokens.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the controller's state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ def _row(mode, method, temperature, c, tokens, seconds, tpots, drafts, accepted,
 def offline_engine(method: str, args, chats):
     from vllm import LLM, SamplingParams
 
-    from vllm_dflash2.testing import keep_own_metrics
+    from vllm_dflash2.tools.bench.metrics import keep_own_metrics
 
     spec, adaptive = spec_config(method, args)
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive  # read by the worker it spawns
@@ -147,7 +148,7 @@ def offline_engine(method: str, args, chats):
               max_num_seqs=max(args.concurrency), disable_log_stats=False)
     keep_own_metrics(llm)  # several engines live at once: read each one's own counters
     if method == "dflash2_k0":
-        from vllm_dflash2.profiling import force_k
+        from vllm_dflash2.tools.bench.profiling import force_k
 
         llm.collective_rpc(force_k, args=(0,))
     llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
@@ -172,9 +173,9 @@ def run_offline(methods: list[str], args,
     with ``--step-record`` every adaptive-engine measurement's per-step record."""
     from vllm import SamplingParams
 
-    from vllm_dflash2.load import chat_prompts, sustained
-    from vllm_dflash2.profiling import adaptive_state, step_record
-    from vllm_dflash2.testing import spec_decode_counts
+    from vllm_dflash2.tools.bench.load import chat_prompts, sustained
+    from vllm_dflash2.tools.bench.profiling import adaptive_state, step_record
+    from vllm_dflash2.tools.bench.metrics import spec_decode_counts
 
     chats = [[{"role": "user", "content": p}] for p in prompts]
     # ngram's engine last: it imports numba, and with the worker in-process every later
@@ -246,9 +247,9 @@ def _run_lockstep(engines: dict, methods: list[str], args, token_prompts: list,
     run_offline's loop does, one "round" per block of steps."""
     from vllm import SamplingParams
 
-    from vllm_dflash2.load import ExcludingClock, SustainedLoad, lockstep
-    from vllm_dflash2.profiling import install_clock
-    from vllm_dflash2.testing import spec_decode_counts
+    from vllm_dflash2.tools.bench.load import ExcludingClock, SustainedLoad, lockstep
+    from vllm_dflash2.tools.bench.profiling import install_clock
+    from vllm_dflash2.tools.bench.metrics import spec_decode_counts
 
     clocks = {}
     for m, llm in engines.items():
@@ -299,7 +300,7 @@ def _bench_serve(url, args, prompt_file, workdir, name, c, num_prompts, temperat
 def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> list[dict]:
     from contextlib import ExitStack
 
-    from vllm_dflash2.testing import Server
+    from vllm_dflash2.tools.bench.server import Server
 
     acc: dict = {}
     with ExitStack() as stack:
@@ -484,8 +485,8 @@ def main():
     if args.step_record:
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 
-    from vllm_dflash2 import assets
-    from vllm_dflash2.profiling import benchmark_env, default_dtype
+    from vllm_dflash2.tools import assets
+    from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     if args.target is None and args.dflash_drafter is None and TWIN.is_dir():

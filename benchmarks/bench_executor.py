@@ -8,7 +8,7 @@ worker inside its engine-core process. On a machine with few cores the processes
 default layout compete for them. This measures, per executor layout, no speculation,
 DFlash2 with adaptive speculation and the same engine forced to k = 0 (what a
 speculative engine costs while drafting nothing), offline under sustained load
-(``vllm_dflash2.load.sustained``).
+(``vllm_dflash2.tools.bench.load.sustained``).
 
 The executor layout is fixed per process, so every (layout, method) runs in a child
 process of its own; rounds alternate the order of layouts and methods. Ratios to read:
@@ -43,7 +43,7 @@ def child(args) -> None:
     from bench_e2e import load_prompts, spec_config
     from vllm import LLM, SamplingParams
 
-    from vllm_dflash2.load import chat_prompts, sustained
+    from vllm_dflash2.tools.bench.load import chat_prompts, sustained
 
     spec, adaptive = spec_config(args.method, args)
     os.environ["VLLM_DFLASH2_ADAPTIVE"] = adaptive
@@ -51,7 +51,7 @@ def child(args) -> None:
               gpu_memory_utilization=0.3, seed=0, speculative_config=spec,
               max_num_seqs=max(args.concurrency))
     if args.method == "dflash2_k0":
-        from vllm_dflash2.profiling import force_k
+        from vllm_dflash2.tools.bench.profiling import force_k
 
         llm.collective_rpc(force_k, args=(0,))
     prompts = chat_prompts(llm, load_prompts())
@@ -134,8 +134,8 @@ def main():
     if args.child:
         return child(args)
 
-    from vllm_dflash2 import assets
-    from vllm_dflash2.profiling import benchmark_env, default_dtype
+    from vllm_dflash2.tools import assets
+    from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
 
     if "no_spec" not in args.methods:
         args.methods.insert(0, "no_spec")  # every ratio is against it

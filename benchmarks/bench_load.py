@@ -78,7 +78,7 @@ def rss_kib(pid: int) -> dict:
 
 
 def start_server(target, drafter, k, log_path, max_model_len):
-    from vllm_dflash2.testing import Server
+    from vllm_dflash2.tools.bench.server import Server
 
     spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": k})
     args = ["--dtype", "float32", "--max-model-len", str(max_model_len),
@@ -135,12 +135,12 @@ def main() -> int:
     if args.target and args.drafter:
         target, drafter, models = Path(args.target), Path(args.drafter), "given"
     elif args.models == "assets":
-        out = subprocess.run([sys.executable, "-m", "vllm_dflash2.assets"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "vllm_dflash2.tools.assets"], capture_output=True,
                              text=True, check=True).stdout
         found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
         target, drafter, models = Path(found["target"]), Path(found["drafter"]), "assets"
     else:
-        from vllm_dflash2.testing import build_tiny_drafter, build_tiny_target
+        from vllm_dflash2.tools.tiny_models import build_tiny_drafter, build_tiny_target
 
         target = build_tiny_target(work / "target")
         drafter = build_tiny_drafter(work / "drafter", target)
@@ -152,8 +152,8 @@ def main() -> int:
     report = {
         "benchmark": "bench_load",
         "models": models,
-        "target": target.name if models != "tiny" else "tiny random Llama (vllm_dflash2.testing)",
-        "drafter": drafter.name if models != "tiny" else "tiny random DFlash2 (vllm_dflash2.testing)",
+        "target": target.name if models != "tiny" else "tiny random Llama (vllm_dflash2.tools.tiny_models)",
+        "drafter": drafter.name if models != "tiny" else "tiny random DFlash2 (vllm_dflash2.tools.tiny_models)",
         "num_speculative_tokens": args.num_speculative_tokens,
         "dataset": "random",
         "input_len": args.input_len, "output_len": args.output_len,

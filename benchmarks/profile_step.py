@@ -4,7 +4,7 @@ Runs the default target (SmolLM2-135M-Instruct) without speculation and with a
 drafter, one greedy request at a time (``--batch B``: one wave of B requests;
 ``--load sustained``: B requests always in flight, as bench_e2e.py's default load;
 ``--temperature T``: sampled), with timers installed in the worker
-(``vllm_dflash2.profiling``), and prints the per-step split: target verification,
+(``vllm_dflash2.tools.bench.profiling``), and prints the per-step split: target verification,
 context K/V, draft forward (per layer: conv, attention, MLP), candidates and
 selector, rejection sampling, worker bookkeeping, engine/scheduler/IPC.
 
@@ -34,6 +34,7 @@ from pathlib import Path
 from statistics import median
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 PROMPTS = [
@@ -57,8 +58,8 @@ def start(target, drafter, k, dtype, compile_, extra=None, max_k=7, defer=True):
     """One engine for one column, warmed up, timers installed."""
     from vllm import SamplingParams
 
-    from vllm_dflash2 import profiling
-    from vllm_dflash2.testing import keep_own_metrics
+    from vllm_dflash2.tools.bench import profiling
+    from vllm_dflash2.tools.bench.metrics import keep_own_metrics
 
     # Fixed K: adaptive off (the worker reads it at spawn). k = 0 is adaptive's plain
     # decoding inside a speculative engine: a K-token engine whose controller always says 0.
@@ -82,9 +83,9 @@ def measure(llm, max_tokens, batch: int = 1, temperature: float = 0.0,
     bench_e2e.py's default load: arrivals, prefills and departures between decode steps)."""
     from vllm import SamplingParams
 
-    from vllm_dflash2 import profiling
-    from vllm_dflash2.load import sustained
-    from vllm_dflash2.testing import spec_decode_counts
+    from vllm_dflash2.tools.bench import profiling
+    from vllm_dflash2.tools.bench.load import sustained
+    from vllm_dflash2.tools.bench.metrics import spec_decode_counts
 
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     d0, a0 = spec_decode_counts(llm)
@@ -199,7 +200,8 @@ def main():
     if args.k0_direct and 0 not in args.k:
         parser.error("--k0-direct compares against the k = 0 column: add 0 to -k")
 
-    from vllm_dflash2 import assets, profiling
+    from vllm_dflash2.tools import assets
+    from vllm_dflash2.tools.bench import profiling
 
     args.dtype = args.dtype or profiling.default_dtype()
     target = args.target or str(assets.ensure_target())
@@ -221,7 +223,7 @@ def main():
     if args.load == "sustained":
         from bench_e2e import load_prompts
 
-        from vllm_dflash2.load import chat_prompts
+        from vllm_dflash2.tools.bench.load import chat_prompts
 
         prompts = chat_prompts(next(iter(engines.values())), load_prompts())
     rounds = {c: [] for c in columns}

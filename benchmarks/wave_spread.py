@@ -23,6 +23,7 @@ from pathlib import Path
 from statistics import median
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -80,8 +81,8 @@ def main():
 
     from bench_e2e import load_prompts
 
-    from vllm_dflash2 import assets
-    from vllm_dflash2.profiling import benchmark_env, default_dtype
+    from vllm_dflash2.tools import assets
+    from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     args.target = args.target or str(assets.ensure_target())

@@ -1,5 +1,11 @@
 import os
+import sys
 
+# ``helpers`` (tests/helpers) by module name, here and in vLLM's worker processes, which
+# start with this process's sys.path (collective_rpc probes are pickled by reference).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 # Small, fast, deterministic CPU engines for every test process and its workers.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc probes
@@ -10,7 +16,7 @@ os.environ.setdefault("VLLM_DFLASH2_ADAPTIVE", "0")
 
 import pytest  # noqa: E402
 
-from vllm_dflash2.testing import build_tiny_drafter, build_tiny_target  # noqa: E402
+from helpers.probes import build_tiny_drafter, build_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +32,7 @@ def tiny_drafter(tmp_path_factory, tiny_target):
 @pytest.fixture(scope="session")
 def peaked_models(tmp_path_factory):
     """A peaked tiny target and a drafter sharing its embedding/lm_head: drafts get accepted."""
-    from vllm_dflash2.testing import build_peaked_drafter
+    from helpers.probes import build_peaked_drafter
 
     target = build_tiny_target(tmp_path_factory.mktemp("peaked_target"), peaked=5.0)
     drafter = build_peaked_drafter(tmp_path_factory.mktemp("peaked_drafter"), target)
@@ -39,7 +45,7 @@ def peaked_spec(peaked_models):
     tests (engine start-up is the expensive part). Prefix caching is on (vLLM's default)."""
     import gc
 
-    from vllm_dflash2.testing import FIXED_K, tiny_llm
+    from helpers.probes import FIXED_K, tiny_llm
 
     target, drafter = peaked_models
     # 32-token KV blocks: prompts of a few hundred tokens span many cacheable blocks.

@@ -15,11 +15,11 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    from . import envs
     from .compat import check_vllm_version
-    from .cpu_linear import mode_from_env
     from .patches import apply_all
 
     check_vllm_version()
-    mode_from_env()  # a bad VLLM_DFLASH2_CPU_GEMM stops every process before it starts
+    envs.check_all()  # a bad VLLM_DFLASH2_* value stops every process before it starts
     apply_all()
     _REGISTERED = True

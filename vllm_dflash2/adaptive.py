@@ -35,33 +35,26 @@ estimated gain is within the noise, and losing to plain decoding is the failure
 this controller exists to prevent.
 
 Pure Python on purpose: it runs once per step on the host and is unit-tested
-without an engine. ``DFlash2Proposer`` feeds it (``VLLM_DFLASH2_ADAPTIVE``; default on
-for the CPU backend, where it is measured, off on GPUs: reading the accepted counts
-each step would add a device sync there).
+without an engine. ``AdaptiveDrafting`` (below) wires it into ``DFlash2Proposer``
+(``VLLM_DFLASH2_ADAPTIVE``; default on for the CPU backend, where it is measured, off
+on GPUs: reading the accepted counts each step would add a device sync there).
 """
 
 from __future__ import annotations
 
 import math
-import os
+import time
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
+from . import envs
+
 ENV = "VLLM_DFLASH2_ADAPTIVE"
 
 
-def env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "1" if default else "0").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{name}={value!r}: expected one of 1/0, true/false, on/off")
-
-
 def enabled_from_env(default: bool = True) -> bool:
-    return env_flag(ENV, default)
+    return envs.get(ENV, default)
 
 
 def bucket(batch_size: int) -> int:
@@ -276,3 +269,73 @@ class AdaptiveSpeculation:
                 "mean_ms": {b: {k: t / n * 1e3 for k, (n, t) in sorted(c.items())}
                             for b, c in sorted(self.totals.items())},
                 "drafted_accepted": dict(sorted(self.accepted_by_bucket.items()))}
+
+
+class AdaptiveDrafting:
+    """The proposer's side of adaptive speculation: feeds each step's measurements to a
+    controller and asks it for the next k.
+
+    One controller for all-greedy batches, one for batches that sample: acceptance and
+    step cost (dense q, probabilistic rejection) differ between the two. A step's cost is
+    the wall time between two proposals on ``clock``; a benchmark that steps several
+    engines of one process in turn swaps in one that leaves out the other engines' steps
+    (``tools.bench.load.ExcludingClock``). ``step_record`` keeps what the controller saw
+    (``VLLM_DFLASH2_STEP_RECORD``), for benchmarks."""
+
+    def __init__(self, max_k: int):
+        self.controllers = {greedy: AdaptiveSpeculation(max_k) for greedy in (True, False)}
+        self.controller = self.controllers[True]  # the one that chose the step in flight
+        self.clock = time.perf_counter
+        keep = envs.get("VLLM_DFLASH2_STEP_RECORD")
+        self.step_record: deque | None = deque(maxlen=keep) if keep else None
+        self._k_prev = 0
+        self._t_prev: float | None = None
+        self._verified: tuple[list[int], object] | None = None
+
+    def note_verified(self, num_draft_tokens: list[int], valid_counts) -> None:
+        """The runner's verification of the previous step: drafts per request and the
+        valid sampled tokens per request (a tensor; read at the next ``choose``)."""
+        self._verified = (num_draft_tokens, valid_counts)
+
+    def choose(self, cad, sampling_metadata, max_k: int, write_seconds: float = 0.0,
+               pending_rows: int = 0) -> int:
+        """k for this step, after observing the step just verified. ``write_seconds``:
+        deferred context writes since the last call; ``pending_rows``: rows still stashed."""
+        now = self.clock()
+        self._observe(now, cad, write_seconds, pending_rows)  # the previous controller
+        self.controller = self.controllers[bool(sampling_metadata.all_greedy)]
+        k = self.controller.choose(cad.batch_size(), max_k)
+        if sampling_metadata.generators:
+            # A seeded request's samples depend on how many drafts each step verified,
+            # and timing-driven k would make reruns differ: keep K.
+            k = max_k
+        self._k_prev, self._t_prev = k, now
+        return k
+
+    def _observe(self, now: float, cad, written: float, pending_rows: int) -> None:
+        k_prev, t_prev, verified = self._k_prev, self._t_prev, self._verified
+        self._verified = None
+        accepted: list[int] = []  # per verified request with drafts
+        if verified is not None and k_prev > 0:
+            num_drafts, valid = verified
+            valid = valid.tolist()
+            accepted = [v - 1 for n, v in zip(num_drafts, valid) if n > 0 and v > 0]
+            self.controller.observe_acceptance(k_prev, accepted, len(num_drafts))
+        # Steps that carried a prefill chunk cost more than a decode step: skip them.
+        measured = t_prev is not None and cad.max_query_len <= k_prev + 1
+        # Deferred context writes stay in the cost of the step that flushes them, mostly a
+        # probe after a run of k = 0 steps (at batch 8: a k = 1 probe after 128 plain
+        # steps wrote 1024 rows, ~2x a plain step, against 1.43x for a k = 1 step alone).
+        # That is what such a probe costs, and the dearer estimate keeps probes rare
+        # where drafting cannot pay (``AdaptiveSpeculation._hopeless``); steady drafting
+        # flushes nothing, so it errs toward plain decoding. The record keeps the split.
+        if measured:
+            self.controller.observe_step(cad.batch_size(), k_prev, now - t_prev)
+        if self.step_record is not None and t_prev is not None:
+            self.step_record.append({
+                "t": now, "seconds": now - t_prev, "context_write_s": written,
+                "batch": cad.batch_size(), "k": k_prev,
+                "max_query_len": cad.max_query_len, "measured": measured,
+                "greedy": self.controller is self.controllers[True],
+                "drafts": k_prev * len(accepted), "accepted": sum(accepted),
+                "pending_rows": pending_rows})

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError:  # training extras not installed
         pass
     try:
-        from .evaluate import main as eval_main
+        from .tools.evaluate import main as eval_main
 
         commands["eval"] = eval_main
     except ModuleNotFoundError:

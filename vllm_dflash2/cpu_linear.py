@@ -1,7 +1,7 @@
 """The CPU backend's float32 linear layers on our packed AVX2 kernel.
 
 vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with
-AVX2 but no AVX-512 (where ``profiling.default_dtype`` picks float32), that GEMM
+AVX2 but no AVX-512 (where ``tools.bench.profiling.default_dtype`` picks float32), that GEMM
 takes 1.29x the packed kernel's time at one row, and ~1.35x its own one-row time at
 the 8 rows of a K = 7 verification step. ``ops.packed_linear`` (csrc/cpu/
 packed_linear.cpp) is the same product over a weight packed once at load time:
@@ -13,28 +13,23 @@ every row count, so a layer holds one packed copy, never two.
 ``dispatch`` below. ``VLLM_DFLASH2_CPU_GEMM``: ``auto`` (default) takes float32
 layers on AVX2 CPUs without AVX-512 (where oneDNN has its fast kernels, and where
 this kernel is not measured); ``1`` takes them on any CPU with AVX2 + FMA; ``0``
-leaves vLLM's choice alone. It applies to plain and speculative engines alike.
+leaves vLLM's choice alone. It applies to engines that run a DFlash drafter (target and
+drafter), and to every engine with ``VLLM_DFLASH2_ALL_ENGINES=1`` (patches.py).
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 
+from . import envs
+
 ENV = "VLLM_DFLASH2_CPU_GEMM"
-_MODES = ("auto", "1", "0")
-_ALIASES = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}
 
 
 def mode_from_env() -> str:
     """``auto``, ``1`` or ``0``; anything else is refused with the variable and value."""
-    raw = os.environ.get(ENV, "auto")
-    value = raw.strip().lower() or "auto"
-    value = _ALIASES.get(value, value)
-    if value not in _MODES:
-        raise ValueError(f"{ENV}={raw!r}: expected auto (default), 1 or 0")
-    return value
+    return envs.get(ENV)
 
 
 def enabled() -> bool:

@@ -31,7 +31,7 @@ from vllm.model_executor.models.qwen3_dflash2 import (
 )
 
 from . import ops
-from .checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
+from .drafter_format import CANDIDATE_VOCAB_KEY, load_candidate_vocab
 
 
 class GroupedConv(DFlashGroupedConv):

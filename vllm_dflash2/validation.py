@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import DrafterSpec, load_drafter_spec
-
-DFLASH2_ARCH = "DFlash2DraftModel"
+from .drafter_format import (
+    CANDIDATE_VOCAB_KEY,
+    DFLASH2_ARCH,
+    SPECULATORS_TYPE,
+    DrafterSpec,
+    expected_tensor_shapes,
+    load_candidate_vocab,
+    load_drafter_spec,
+    read_safetensors_header,
+)
 
 
 @dataclass(frozen=True)
@@ -50,78 +56,6 @@ def target_spec_from_dir(path: str | os.PathLike) -> TargetSpec:
     )
 
 
-# ---------------------------------------------------------------------------
-# safetensors headers
-
-
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Header of one file; raises ValueError if unreadable or truncated."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path.name}: {size} bytes, shorter than a safetensors header")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > size - 8:
-            raise ValueError(f"{path.name}: header length {header_len} exceeds file size {size}")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path.name}: header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path.name}: header is a JSON {type(header).__name__}, not an object")
-    header.pop("__metadata__", None)
-    for name, info in header.items():
-        _check_tensor_entry(path, name, info)
-    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
-    if 8 + header_len + end > size:
-        raise ValueError(
-            f"{path.name}: truncated, data needs {8 + header_len + end} bytes, file has {size}"
-        )
-    return header
-
-
-# Bytes per element of the safetensors dtypes.
-_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E5M2FNUZ": 1,
-    "F8_E4M3FNUZ": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
-    "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}
-
-
-def _check_tensor_entry(path: Path, name: str, info) -> None:
-    """One header entry: dtype, shape and data_offsets present and consistent."""
-    where = f"{path.name}: tensor {name}"
-    if not isinstance(info, dict):
-        raise ValueError(
-            f"{where}: entry {info!r}, expected an object with dtype/shape/data_offsets"
-        )
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"{where}: dtype={dtype!r}, expected one of {sorted(_DTYPE_BYTES)}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise ValueError(f"{where}: shape={shape!r}, expected a list of non-negative integers")
-    if not (
-        isinstance(offsets, list) and len(offsets) == 2
-        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        and 0 <= offsets[0] <= offsets[1]
-    ):
-        raise ValueError(
-            f"{where}: data_offsets={offsets!r}, expected [begin, end] with 0 <= begin <= end"
-        )
-    numel = 1
-    for d in shape:
-        numel *= d
-    want = numel * _DTYPE_BYTES[dtype]
-    if offsets[1] - offsets[0] != want:
-        raise ValueError(
-            f"{where}: data_offsets={offsets!r} span {offsets[1] - offsets[0]} bytes, expected "
-            f"{want} (shape {shape} x {dtype})"
-        )
-
-
 def tensor_shapes(drafter_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[Problem]]:
     shapes: dict[str, tuple[int, ...]] = {}
     problems: list[Problem] = []
@@ -137,43 +71,6 @@ def tensor_shapes(drafter_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[P
         for name, info in header.items():
             shapes[name] = tuple(int(d) for d in info["shape"])
     return shapes, problems
-
-
-# ---------------------------------------------------------------------------
-# The checks
-
-
-def expected_tensor_shapes(spec: DrafterSpec, target: TargetSpec) -> dict[str, tuple[int, ...]]:
-    h, hd = spec.hidden_size, spec.head_dim
-    nh, nkv, inter = spec.num_heads, spec.num_kv_heads, spec.intermediate_size
-    taps, groups = spec.conv_kernel_size, h // spec.conv_group_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (h, len(spec.target_layer_ids) * target.hidden_size),
-        "hidden_norm.weight": (h,),
-        "norm.weight": (h,),
-        "candidate_selector.predecessor_codebook": (spec.vocab_size, spec.selector_rank),
-        "candidate_selector.successor_codebook": (spec.vocab_size, spec.selector_rank),
-        "candidate_selector.hidden_projection.weight": (spec.selector_rank, h),
-    }
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (nh * hd, h),
-            p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h),
-            p + "self_attn.o_proj.weight": (h, nh * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes[p + f"{conv}.base_kernel"] = (2, taps, h)
-            shapes[p + f"{conv}.kernel_projection.weight"] = (2 * taps * groups, h)
-    return shapes
 
 
 def _config_problems(
@@ -238,8 +135,6 @@ def _config_problems(
 def _candidate_vocab_problems(path: Path) -> list[Problem]:
     from types import SimpleNamespace
 
-    from .checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
-
     raw = json.loads((path / "config.json").read_text())
     try:
         load_candidate_vocab(path, SimpleNamespace(**raw))
@@ -268,7 +163,7 @@ def validate_drafter(
     problems += file_problems
     if file_problems or any(p.field.startswith("dflash_config.conv") for p in problems):
         return problems  # shapes cannot be judged without readable files / a valid config
-    for name, want in expected_tensor_shapes(spec, target).items():
+    for name, want in expected_tensor_shapes(spec, target.hidden_size).items():
         got = shapes.get(name)
         if got is None:
             problems.append(Problem(f"tensor {name}", None, f"present with shape {list(want)}"))
@@ -297,7 +192,7 @@ def claims_dflash2(path: str | os.PathLike) -> bool:
         return True
     return DFLASH2_ARCH in (raw.get("architectures") or []) or raw.get(
         "speculators_model_type"
-    ) == "dflash2"
+    ) == SPECULATORS_TYPE
 
 
 # ---------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def test_self_distillation_dataset(tmp_path):
     template and drops prompts that resemble held-out ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_dflash2.testing import build_tiny_target
+    from helpers.probes import build_tiny_target
     from vllm_dflash2.train.data import Job, chat_ids, generate_dataset, user_turn_parts
 
     path = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=3)
@@ -318,7 +318,7 @@ def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, mon
     passes the drafter checks, a card. A run interrupted after a checkpoint and rerun with the
     same command resumes and ends exactly where an uninterrupted run ends (batches depend
     only on the seed and the step); the plain DFlash twin lands in the same summary."""
-    from vllm_dflash2.testing import build_tiny_target
+    from helpers.probes import build_tiny_target
     from vllm_dflash2.train import cli
     from vllm_dflash2.validation import target_spec_from_dir, validate_drafter
 
@@ -369,7 +369,7 @@ def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, mon
 def test_data_shards_grow_a_dataset(tmp_path, capsys):
     """``--data-shards 2`` keeps shard 0 (the single-file dataset of a 1-shard run) and adds
     dataset-1.pt, generated with the next seed; the summary counts both; 0 shards is refused."""
-    from vllm_dflash2.testing import build_tiny_target
+    from helpers.probes import build_tiny_target
     from vllm_dflash2.train import cli
 
     tpath = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=4, seed=2)

@@ -87,7 +87,7 @@ def load_target(path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
-        from ..assets import ensure_target
+        from ..tools.assets import ensure_target
 
         path = str(ensure_target())
     tok = AutoTokenizer.from_pretrained(path)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..drafter_format import native_config
 from ..ops.reference import grouped_conv_prepare_ref, grouped_conv_finish_ref, score_edges_ref
 
 
@@ -48,46 +49,20 @@ class DraftConfig:
         return self.variant == "dflash2"
 
     def hf_config(self) -> dict:
-        """The native ``config.json`` that vLLM reads."""
-        dflash = {
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "block_size": self.block_size,
-        }
-        if self.dflash2:
-            dflash.update(
-                conv_kernel_size=self.conv_kernel_size,
-                conv_group_size=self.conv_group_size,
-                selector_rank=self.selector_rank,
-                selector_top_k=self.selector_top_k,
-            )
-        return {
-            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "sliding_window": None,
-            "use_sliding_window": False,
-            "is_causal": False,
-            "tie_word_embeddings": False,
-            "vocab_size": self.vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "block_size": self.block_size,
-            "torch_dtype": "bfloat16",
-            "dflash_config": dflash,
-            "vllm_dflash2_train_config": asdict(self),
-        }
+        """The native ``config.json`` that vLLM reads (``drafter_format.native_config``)."""
+        config = native_config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=self.num_hidden_layers, num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab_size, target_hidden_size=self.target_hidden_size,
+            target_layer_ids=self.target_layer_ids, mask_token_id=self.mask_token_id,
+            block_size=self.block_size, dflash2=self.dflash2,
+            conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+            selector_rank=self.selector_rank, selector_top_k=self.selector_top_k,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, torch_dtype="bfloat16")
+        config["vllm_dflash2_train_config"] = asdict(self)
+        return config
 
 
 class RMSNorm(nn.Module):
@@ -355,7 +330,7 @@ def drafter_head(target, path: str | Path) -> "Head":
     vocabulary (config key ``vllm_dflash2_candidate_vocab``), as in vLLM."""
     from types import SimpleNamespace
 
-    from ..checkpoint import load_candidate_vocab
+    from ..drafter_format import load_candidate_vocab
 
     conf = json.loads((Path(path) / "config.json").read_text())
     vocab = load_candidate_vocab(path, SimpleNamespace(**conf))

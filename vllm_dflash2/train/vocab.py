@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CANDIDATE_VOCAB_KEY
+from ..drafter_format import CANDIDATE_VOCAB_KEY
 
 FILE = "candidate_vocab.json"  # not .safetensors: vLLM would load it as weights
 

@@ -20,6 +20,37 @@ def test_patched_symbol_exists(patch):
         assert getattr(patch, field).strip(), f"ledger entry {patch.symbol} lacks {field}"
 
 
+def test_every_patch_declares_its_upstream_issue_and_versions():
+    for patch in patches.LEDGER + patches.CLI_LEDGER:
+        assert patch.upstream.strip(), f"{patch.symbol}: upstream issue/PR or 'none found'"
+        assert patch.supports(compat.installed_vllm_version()), patch.symbol
+        assert not patch.supports("0.31.0") and not patch.supports("0.34.0"), patch.symbol
+
+
+def test_a_vllm_outside_a_patch_s_versions_is_refused():
+    with pytest.raises(compat.UnsupportedVLLMVersion, match="patch .* is checked for vLLM"):
+        patches.check_versions("0.35.1")
+    patches.check_versions("0.32.0")
+
+
+@pytest.mark.parametrize("entry", patches.PRIVATE_UPSTREAM, ids=lambda e: f"{e[1] or e[0]}.{e[2]}")
+def test_private_upstream_attribute_exists(entry):
+    """A private name we rely on is still there: a class/module attribute, or an instance
+    attribute that the class (or a base) still assigns."""
+    import inspect
+
+    module_name, cls_name, attr, where = entry
+    owner = importlib.import_module(module_name)
+    if cls_name:
+        owner = getattr(owner, cls_name)
+    if hasattr(owner, attr):
+        return
+    assert inspect.isclass(owner), f"{module_name}.{attr} is gone ({where})"
+    sources = [inspect.getsource(c) for c in owner.__mro__ if c.__module__.startswith("vllm.")]
+    assert any(f"self.{attr} =" in src or f"self.{attr}:" in src for src in sources), (
+        f"{module_name}.{cls_name} no longer sets self.{attr} ({where})")
+
+
 def test_register_is_idempotent_and_patches_apply():
     import vllm_dflash2
 
@@ -255,6 +286,7 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
     monkeypatch.setattr(rs_mod, "sample_recovered_tokens",
                         lambda *a, **k: draws.append(1) or recovered(*a, **k))
     sampler = rs_mod.RejectionSampler(Sampler())
+    sampler.dflash_engine = True  # what DFlash2Proposer.load_model marks
     batch, vocab = 5, 300
     seeds = [11, 12, 13, 14, 15]
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
@@ -294,3 +326,35 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
     want = original(sampler, with_drafts, None, rows.clone(), _sampling(batch, 1.0, seeds))
     assert len(draws) == 2
     assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+
+
+def test_zero_draft_shortcut_leaves_other_engines_samplers_alone(monkeypatch):
+    """An engine without a DFlash drafter (its sampler unmarked) runs upstream's rejection
+    sampling even at zero drafts, unless VLLM_DFLASH2_ALL_ENGINES=1 asks for every engine."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs_mod
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample.sampler import Sampler
+
+    CpuPlatform.import_kernels()
+    CpuPlatform.register_triton_kernel_overrides()
+    patches._sample_plainly_without_drafts(rs_mod)
+    forward = rs_mod.RejectionSampler.forward
+    [make_original] = [c.cell_contents for c in forward.__closure__ if callable(c.cell_contents)]
+    draws = []
+    recovered = rs_mod.sample_recovered_tokens
+    monkeypatch.setattr(rs_mod, "sample_recovered_tokens",
+                        lambda *a, **k: draws.append(1) or recovered(*a, **k))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    no_drafts = _spec_metadata([[]] * 3)
+    forward(rs_mod.RejectionSampler(Sampler()), no_drafts, None, logits.clone(),
+            _sampling(3, 1.0, [1, 2, 3]))
+    assert draws == [1], "an unmarked sampler must run upstream's code"
+    # The variable is read when the patch is made: a fresh wrapper over the same original.
+    monkeypatch.setenv("VLLM_DFLASH2_ALL_ENGINES", "1")
+    holder = type("Holder", (), {"forward": make_original})
+    patches._sample_plainly_without_drafts(type("M", (), {"RejectionSampler": holder}))
+    draws.clear()
+    holder.forward(rs_mod.RejectionSampler(Sampler()), no_drafts, None, logits.clone(),
+                   _sampling(3, 1.0, [1, 2, 3]))
+    assert draws == [], "VLLM_DFLASH2_ALL_ENGINES=1 takes the shortcut on every engine"

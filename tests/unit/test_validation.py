@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_dflash2.testing import build_tiny_drafter
+from helpers.probes import build_tiny_drafter
 from vllm_dflash2.validation import DrafterValidationError, target_spec_from_dir, validate_drafter
 
 

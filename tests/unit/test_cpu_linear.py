@@ -92,6 +92,13 @@ def test_bad_mode_is_refused_by_name(monkeypatch):
         cpu_linear.mode_from_env()
 
 
+@pytest.fixture(autouse=True)
+def _every_engine(monkeypatch):
+    """The dispatch tests below call vLLM's dispatch outside any engine: as for every
+    engine. (test_dispatch_only_for_dflash_engines covers the default scope.)"""
+    monkeypatch.setenv("VLLM_DFLASH2_ALL_ENGINES", "1")
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, n, k, dtype=torch.float32, bias=True):
         super().__init__()
@@ -178,3 +185,23 @@ def test_plugin_registration_refuses_a_bad_mode(monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV, "2")
     with pytest.raises(ValueError, match=r"VLLM_DFLASH2_CPU_GEMM='2'"):
         vllm_dflash2.register()
+
+
+@native
+def test_dispatch_only_for_dflash_engines(monkeypatch):
+    """By default the packed kernel serves only engines that run a DFlash drafter: vLLM
+    sets the engine's config around model construction, and a plain engine keeps vLLM's GEMM."""
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    monkeypatch.setenv(cpu_linear.ENV, "1")
+    monkeypatch.delenv("VLLM_DFLASH2_ALL_ENGINES")
+    for method, packed in ((None, False), ("ngram", False), ("dflash", True)):
+        spec = None if method is None else SimpleNamespace(method=method)
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",
+                            lambda s=spec: SimpleNamespace(speculative_config=s))
+        layer = _Layer(64, 48)
+        _dispatch(layer, remove_weight=False)
+        got = getattr(layer.cpu_linear, "__module__", None) == "vllm_dflash2.cpu_linear"
+        assert got is packed, method

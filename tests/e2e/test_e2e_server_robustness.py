@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_dflash2.testing import Server
+from helpers.probes import Server
 
 pytestmark = pytest.mark.e2e
 

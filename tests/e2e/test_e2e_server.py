@@ -5,7 +5,7 @@ import urllib.request
 
 import pytest
 
-from vllm_dflash2.testing import Server
+from helpers.probes import Server
 
 pytestmark = pytest.mark.e2e
 

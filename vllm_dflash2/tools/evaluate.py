@@ -19,7 +19,7 @@ from pathlib import Path
 
 def _load_prompts(path: str | None) -> list[dict]:
     if path is None:
-        from .train.data import held_out_prompts
+        from ..train.data import held_out_prompts
 
         return held_out_prompts()
     out = []
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
 
     from .assets import default_drafter, ensure_target
-    from .profiling import default_dtype
+    from .bench.profiling import default_dtype
 
     args.dtype = args.dtype or default_dtype()
 
@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline:
         import torch
 
-        from .train.cli import load_target
-        from .train.estimate import estimate_tau
-        from .train.model import drafter_head, load_native
+        from ..train.cli import load_target
+        from ..train.estimate import estimate_tau
+        from ..train.model import drafter_head, load_native
 
         torch.set_num_threads(2)
         tmodel, tok, _ = load_target(target)

@@ -14,7 +14,7 @@ Engines (module-scoped; start-up dominates the cost):
 * ``loose`` -- speculation, prefix caching off, default batching;
 * ``peaked_spec`` (conftest) -- the peaked target with a drafter that gets accepted.
 
-The speculative engines draft a fixed K = 7 every step (``testing.FIXED_K``): seeded
+The speculative engines draft a fixed K = 7 every step (``helpers.probes.FIXED_K``): seeded
 reproducibility and step-by-step draft comparisons need it.
 """
 
@@ -23,7 +23,7 @@ import gc
 import pytest
 import torch
 
-from vllm_dflash2 import testing as probes
+from helpers import probes
 
 pytestmark = pytest.mark.e2e
 

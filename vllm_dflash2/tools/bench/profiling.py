@@ -74,15 +74,15 @@ def install(worker) -> list[str]:
         _wrap(runner, "propose_draft_token_ids", "draft/total")
         _wrap(drafter, "set_inputs_first_pass", "draft/input_prep")
         # Upstream's runner -> drafter input steps, run on every step once speculation
-        # is configured; a step that only stashes context puts them off, and one that
-        # then drafts runs them late (_resolve).
+        # is configured.
         _wrap(drafter, "prepare_next_token_ids_padded", "draft/vllm_prepare_padded")
         _wrap(drafter, "prepare_inputs_padded", "draft/vllm_prepare_padded")
-        _wrap(drafter, "_resolve", "draft/vllm_prepare_padded")
         # Ours at k = 0: stashing a step's context rows, settling departed requests' rows
         # (their draft K/V writes nest in it and are timed as context rows below).
-        _wrap(drafter, "_defer_context", "draft/context_stash")
-        _wrap(drafter, "_write_context_of_departed", "draft/context_stash")
+        deferred = getattr(drafter, "deferred", None)
+        if deferred is not None:
+            _wrap(deferred, "stash", "draft/context_stash")
+            _wrap(deferred, "settle_departed", "draft/context_stash")
         _wrap(drafter, "build_per_group_and_layer_attn_metadata", "draft/attn_metadata")
         model = drafter.model
         _wrap(model, "combine_hidden_states", "draft/context_kv")  # the fc over context rows
@@ -117,11 +117,11 @@ def read(worker) -> dict[str, dict[str, float]]:
 
 def adaptive_state(worker) -> dict | None:
     """The adaptive-speculation controller's estimates (None when it is off)."""
-    drafter = worker.model_runner.drafter
-    controllers = getattr(drafter, "_controllers", None)
-    if getattr(drafter, "adaptive", None) is None or not controllers:
+    adaptive = getattr(worker.model_runner.drafter, "adaptive", None)
+    if adaptive is None:
         return None
-    greedy, sampled = controllers[True].snapshot(), controllers[False].snapshot()
+    greedy = adaptive.controllers[True].snapshot()
+    sampled = adaptive.controllers[False].snapshot()
     # Merged view (tests read cost_ms keys); each controller also returned on its own.
     cost = {}
     for snap in (greedy, sampled):
@@ -135,7 +135,8 @@ def step_record(worker, clear: bool = True) -> list[dict] | None:
     last N; None when off), oldest first: step wall time, batch size, k drafted, the
     longest query (a prefill chunk makes it exceed k + 1, and the step unmeasured),
     drafts and accepted tokens, context rows held for deferred writes. ``clear`` empties it."""
-    record = getattr(getattr(worker.model_runner, "drafter", None), "step_record", None)
+    adaptive = getattr(getattr(worker.model_runner, "drafter", None), "adaptive", None)
+    record = getattr(adaptive, "step_record", None)
     if record is None:
         return None
     out = list(record)
@@ -169,12 +170,12 @@ def force_k(worker, k: int | list[int]) -> None:
     """Make an adaptive drafter draft exactly ``k`` every step (measures what k = 0,
     adaptive's plain decoding inside a speculative engine, costs over a plain engine),
     or the ks of a list in turn (one sequence shared by greedy and sampled steps)."""
-    drafter = worker.model_runner.drafter
-    if getattr(drafter, "adaptive", None) is None:
+    adaptive = worker.model_runner.drafter.adaptive
+    if adaptive is None:
         raise RuntimeError("force_k needs adaptive speculation on (VLLM_DFLASH2_ADAPTIVE=1)")
     fixed = _FixedK(k)
-    drafter._controllers = {greedy: fixed for greedy in (True, False)}
-    drafter.adaptive = fixed
+    adaptive.controllers = {greedy: fixed for greedy in (True, False)}
+    adaptive.controller = fixed
 
 
 def install_clock(worker, clock) -> int:
@@ -182,22 +183,23 @@ def install_clock(worker, clock) -> int:
     ``time.perf_counter``. Returns the id of the clock the proposer now holds: equal to
     ``id(clock)`` only where the worker runs in the caller's process, which lockstep
     needs (the caller tells the clock what to leave out)."""
-    drafter = worker.model_runner.drafter
-    drafter.clock = clock
-    return id(drafter.clock)
+    adaptive = worker.model_runner.drafter.adaptive
+    adaptive.clock = clock
+    return id(adaptive.clock)
 
 
 def context_counters(worker) -> dict[str, int]:
     """How many context rows the proposer deferred, how many batched writes it made and
     how many rows they wrote, how many rows of departed requests it dropped (partial
-    blocks), how many rows are not settled yet (see DFlash2Proposer._defer_context), and
-    on how many steps the runner's input preparation was never needed (_may_put_off)."""
-    drafter = worker.model_runner.drafter
-    return {"deferred_rows": drafter.context_rows_deferred,
-            "writes": drafter.context_flushes, "written_rows": drafter.context_rows_written,
-            "dropped_rows": drafter.context_rows_dropped,
-            "unwritten_rows": drafter.unwritten_context_rows(),
-            "prepares_put_off": drafter.prepares_put_off}
+    blocks) and how many rows are not settled yet (see deferred_context.py); all 0 where
+    context is not deferred."""
+    deferred = worker.model_runner.drafter.deferred
+    if deferred is None:
+        return {"deferred_rows": 0, "writes": 0, "written_rows": 0, "dropped_rows": 0,
+                "unwritten_rows": 0}
+    return {"deferred_rows": deferred.rows_deferred, "writes": deferred.flushes,
+            "written_rows": deferred.rows_written, "dropped_rows": deferred.rows_dropped,
+            "unwritten_rows": deferred.unwritten_rows()}
 
 
 _TORCH_PROFILER = None
@@ -219,7 +221,8 @@ def torch_profile_stop(worker, row_limit: int = 25) -> str:
 
 BENCH_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_DFLASH2_ADAPTIVE",
              "VLLM_DFLASH2_DEFER_CONTEXT", "VLLM_CPU_KVCACHE_SPACE",
-             "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_DFLASH2_CPU_GEMM")
+             "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_DFLASH2_CPU_GEMM",
+             "VLLM_DFLASH2_ALL_ENGINES")
 
 
 def default_dtype() -> str:

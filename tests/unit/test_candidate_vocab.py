@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from vllm_dflash2 import testing as probes
-from vllm_dflash2.checkpoint import CANDIDATE_VOCAB_KEY, load_candidate_vocab
+from helpers import probes
+from vllm_dflash2.drafter_format import CANDIDATE_VOCAB_KEY, load_candidate_vocab
 from vllm_dflash2.train.vocab import coverage, rank_tokens, write
 
 
@@ -71,39 +71,6 @@ def test_bad_candidate_vocab_is_refused(tmp_path, ids, message):
     assert load_candidate_vocab(tmp_path, _Cfg(None)) is None
 
 
-@pytest.mark.e2e
-def test_engine_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    drafter = probes.build_tiny_drafter(tmp_path / "drafter", tiny_target)
-    subset = torch.arange(0, 384, 3, dtype=torch.int64)  # every third token
-    write(drafter, subset)
-    assert json.loads((drafter / "config.json").read_text())[CANDIDATE_VOCAB_KEY]
-
-    g = torch.Generator().manual_seed(3)
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
-               for n in (2, 19, 77)]
-    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-    def run(spec):
-        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
-                  gpu_memory_utilization=0.5, seed=0, speculative_config=spec)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-        probe = llm.collective_rpc(probes.probe_candidate_vocab)[0] if spec else None
-        del llm
-        gc.collect()
-        return outs, probe
-
-    base, _ = run(None)
-    spec, probe = run({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
-    assert spec == base  # verification stays lossless
-    assert torch.equal(probe["vocab"], subset)
-    assert set(probe["ids"].flatten().tolist()) <= set(subset.tolist())
-    torch.testing.assert_close(probe["values"], probe["ref_values"], rtol=1e-4, atol=1e-4)
-    assert torch.equal(probe["ids"].sort(-1).values, probe["ref_ids"].sort(-1).values)
-
-
 def test_check_refuses_a_bad_candidate_vocab_before_start(tiny_target, tmp_path):
     from vllm_dflash2.validation import target_spec_from_dir, validate_drafter
 
@@ -115,37 +82,3 @@ def test_check_refuses_a_bad_candidate_vocab_before_start(tiny_target, tmp_path)
     problems = validate_drafter(drafter, target, 7)
     assert [p.field for p in problems] == [CANDIDATE_VOCAB_KEY]
     assert "selector_top_k" in problems[0].expected and "384" in problems[0].expected
-
-
-@pytest.mark.e2e
-def test_plain_dflash_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
-    """Plain DFlash (v1) drafts honour a candidate vocabulary too (what `vllm-dflash2
-    train --variants dflash` exports): -inf logits outside it, the lm_head's inside."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    drafter = probes.plain_dflash_drafter(tmp_path / "v1", tiny_target)
-    subset = torch.arange(1, 384, 2, dtype=torch.int64)
-    write(drafter, subset)
-    g = torch.Generator().manual_seed(4)
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(5, 384, (n,), generator=g).tolist())
-               for n in (3, 40)]
-    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-
-    def run(spec):
-        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
-                  gpu_memory_utilization=0.5, seed=0, speculative_config=spec)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-        probe = llm.collective_rpc(probes.probe_dflash_logits)[0] if spec else None
-        del llm
-        gc.collect()
-        return outs, probe
-
-    base, _ = run(None)
-    spec, probe = run({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 5})
-    assert spec == base
-    assert torch.equal(probe["vocab"], subset)
-    outside = torch.ones(384, dtype=torch.bool)
-    outside[subset] = False
-    assert torch.isinf(probe["logits"][:, outside]).all()
-    torch.testing.assert_close(probe["logits"][:, subset], probe["ref"][:, subset], rtol=1e-4, atol=1e-4)

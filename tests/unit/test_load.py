@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_dflash2.load import ExcludingClock, lockstep
+from vllm_dflash2.tools.bench.load import ExcludingClock, lockstep
 
 
 class _Timer:

@@ -12,7 +12,7 @@ lossless) the test passes with probability >= 0.99; the seeds are fixed, so the 
 is reproducible.
 
 The test must be able to fail: the same statistic has to reject a deliberately wrong q
-(``testing.install_uniform_q``: drafts still drawn from the walk's q, but q reported to
+(``helpers.probes.install_uniform_q``: drafts still drawn from the walk's q, but q reported to
 the rejection sampler as uniform over the candidates). Measured on this setup, N=1000
 already gives wrong-q p-values below 1e-11 at every position, so N=2000 has a wide
 margin both ways.
@@ -23,7 +23,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_dflash2 import testing as probes
+from helpers import probes
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,1 @@
+"""Helpers for the tests (never imported by the package)."""

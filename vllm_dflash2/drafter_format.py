@@ -1,0 +1,312 @@
+"""The DFlash2 drafter checkpoint format, owned here and nowhere else.
+
+Architecture names, the typed view of ``config.json`` (``DrafterSpec``, read from the
+native and the speculators formats; ``native_config`` writes the native one), the tensor
+schema (``expected_tensor_shapes``), the safetensors header reader and the candidate
+vocabulary file. Validation, the model, the test builders and training consume it.
+
+Native (z-lab / incoai): Qwen3 fields at top level plus ``dflash_config``.
+Speculators: ``speculators_model_type: "dflash2"`` with flat DFlash fields,
+``aux_hidden_state_layer_ids`` (= target_layer_ids + 1) and the layer fields
+under ``transformer_layer_config``.
+
+Imports nothing heavy: torch only inside ``load_candidate_vocab``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+DFLASH2_ARCH = "DFlash2DraftModel"
+DFLASH_ARCH = "DFlashDraftModel"  # plain DFlash (v1): no convs, no candidate selector
+SPECULATORS_TYPE = "dflash2"  # speculators_model_type of a speculators-format DFlash2
+CANDIDATE_VOCAB_KEY = "vllm_dflash2_candidate_vocab"  # config.json key: the vocab file
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    architectures: list[str]
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int | None
+    mask_token_id: int | None
+    target_layer_ids: list[int]
+    block_size: int
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    has_own_embeddings: bool
+    has_d2t: bool
+    fmt: str  # "native" or "speculators"
+
+    @property
+    def is_dflash2(self) -> bool:
+        return DFLASH2_ARCH in self.architectures
+
+
+def _int(d: dict, key: str, where: str, default=None) -> int:
+    value = d.get(key, default)
+    if value is None:
+        raise ValueError(f"missing field {where}{key}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {where}{key}={value!r} is not an integer")
+    return value
+
+
+def spec_from_config(config: dict, weight_names: set[str] | None = None) -> DrafterSpec:
+    names = weight_names or set()
+    if config.get("speculators_model_type") == SPECULATORS_TYPE:
+        layer = dict(config.get("transformer_layer_config") or {})
+        flat = config
+        aux = flat.get("aux_hidden_state_layer_ids") or []
+        ids = [int(i) - 1 for i in aux]
+        dc_where, fmt = "", "speculators"
+        dc = flat
+        archs = [DFLASH2_ARCH]
+        block = flat.get("block_size", (layer.get("dflash_config") or {}).get("block_size"))
+    else:
+        layer = config
+        dc = config.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise ValueError("missing field dflash_config")
+        ids = dc.get("target_layer_ids") or []
+        dc_where, fmt = "dflash_config.", "native"
+        archs = list(config.get("architectures") or [])
+        block = dc.get("block_size", config.get("block_size"))  # older checkpoints: top level
+    plain = 0 if archs == [DFLASH_ARCH] else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"field {dc_where}target_layer_ids={ids!r} is not a list of integers")
+    hidden = _int(layer, "hidden_size", "")
+    heads = _int(layer, "num_attention_heads", "")
+    vocab = _int(layer, "vocab_size", "", config.get("vocab_size"))
+    return DrafterSpec(
+        architectures=archs,
+        hidden_size=hidden,
+        intermediate_size=_int(layer, "intermediate_size", ""),
+        num_layers=_int(layer, "num_hidden_layers", ""),
+        num_heads=heads,
+        num_kv_heads=_int(layer, "num_key_value_heads", "", heads),
+        head_dim=_int(layer, "head_dim", "", hidden // heads),
+        vocab_size=vocab,
+        draft_vocab_size=int(config.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
+        target_hidden_size=config.get("target_hidden_size", layer.get("target_hidden_size")),
+        mask_token_id=dc.get("mask_token_id", config.get("mask_token_id")),
+        target_layer_ids=ids,
+        block_size=_int({"block_size": block}, "block_size", dc_where),
+        # Plain DFlash has no convs and no selector: 0 where absent.
+        conv_kernel_size=_int(dc, "conv_kernel_size", dc_where, plain),
+        conv_group_size=_int(dc, "conv_group_size", dc_where, plain),
+        selector_rank=_int(dc, "selector_rank", dc_where, plain),
+        selector_top_k=_int(dc, "selector_top_k", dc_where, plain),
+        has_own_embeddings="embed_tokens.weight" in names,
+        has_d2t="d2t" in names,
+        fmt=fmt,
+    )
+
+
+def load_drafter_spec(path: Path) -> DrafterSpec:
+    """Read ``config.json`` (+ tensor names) of a drafter folder; ValueError if malformed."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config.json is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not a JSON object")
+    names: set[str] = set()
+    for file in path.glob("*.safetensors"):
+        try:
+            names |= set(read_safetensors_header(file))
+        except (OSError, ValueError):
+            pass  # reported by the tensor checks
+    return spec_from_config(config, names)
+
+
+def native_config(*, hidden_size: int, intermediate_size: int, num_layers: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                  target_hidden_size: int, target_layer_ids: list[int], mask_token_id: int,
+                  block_size: int, dflash2: bool = True, conv_kernel_size: int = 2,
+                  conv_group_size: int = 16, selector_rank: int = 32, selector_top_k: int = 16,
+                  rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
+                  max_position_embeddings: int = 8192, torch_dtype: str = "float32") -> dict:
+    """The native ``config.json`` of a drafter (a Qwen3 block-diffusion model, non-causal,
+    own lm_head, no own embedding unless the weights carry one)."""
+    dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids),
+              "block_size": block_size}
+    if dflash2:
+        dflash.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                      selector_rank=selector_rank, selector_top_k=selector_top_k)
+    return {
+        "architectures": [DFLASH2_ARCH if dflash2 else DFLASH_ARCH],
+        "model_type": "qwen3",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_theta": rope_theta,
+        "max_position_embeddings": max_position_embeddings,
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * num_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "is_causal": False,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab_size,
+        "target_hidden_size": target_hidden_size,
+        "block_size": block_size,
+        "torch_dtype": torch_dtype,
+        "dflash_config": dflash,
+    }
+
+
+def expected_tensor_shapes(spec: DrafterSpec, target_hidden_size: int,
+                           ) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a native checkpoint and its shape (DFlash2: convs and selector;
+    plain DFlash: neither). Optional tensors (own embedding, d2t) are not listed."""
+    h, hd = spec.hidden_size, spec.head_dim
+    nh, nkv, inter = spec.num_heads, spec.num_kv_heads, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(spec.target_layer_ids) * target_hidden_size),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nh * hd, h),
+            p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, nh * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if spec.is_dflash2:
+            taps, groups = spec.conv_kernel_size, h // spec.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + f"{conv}.base_kernel"] = (2, taps, h)
+                shapes[p + f"{conv}.kernel_projection.weight"] = (2 * taps * groups, h)
+    if spec.is_dflash2:
+        shapes.update({
+            "candidate_selector.predecessor_codebook": (spec.vocab_size, spec.selector_rank),
+            "candidate_selector.successor_codebook": (spec.vocab_size, spec.selector_rank),
+            "candidate_selector.hidden_projection.weight": (spec.selector_rank, h),
+        })
+    return shapes
+
+
+# -- safetensors headers ----------------------------------------------------------
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Header of one file; raises ValueError if unreadable or truncated."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path.name}: {size} bytes, shorter than a safetensors header")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise ValueError(f"{path.name}: header length {header_len} exceeds file size {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path.name}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: header is a JSON {type(header).__name__}, not an object")
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_tensor_entry(path, name, info)
+    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    if 8 + header_len + end > size:
+        raise ValueError(
+            f"{path.name}: truncated, data needs {8 + header_len + end} bytes, file has {size}"
+        )
+    return header
+
+
+# Bytes per element of the safetensors dtypes.
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E5M2FNUZ": 1,
+    "F8_E4M3FNUZ": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
+    "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+
+
+def _check_tensor_entry(path: Path, name: str, info) -> None:
+    """One header entry: dtype, shape and data_offsets present and consistent."""
+    where = f"{path.name}: tensor {name}"
+    if not isinstance(info, dict):
+        raise ValueError(
+            f"{where}: entry {info!r}, expected an object with dtype/shape/data_offsets"
+        )
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"{where}: dtype={dtype!r}, expected one of {sorted(_DTYPE_BYTES)}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"{where}: shape={shape!r}, expected a list of non-negative integers")
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise ValueError(
+            f"{where}: data_offsets={offsets!r}, expected [begin, end] with 0 <= begin <= end"
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    want = numel * _DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != want:
+        raise ValueError(
+            f"{where}: data_offsets={offsets!r} span {offsets[1] - offsets[0]} bytes, expected "
+            f"{want} (shape {shape} x {dtype})"
+        )
+
+
+# -- candidate vocabulary -----------------------------------------------------------
+
+def load_candidate_vocab(model_dir: str | Path, hf_config):
+    """Target token ids candidates may come from (an int64 tensor; None: the whole
+    vocabulary). ``hf_config``: any object with the config.json keys as attributes."""
+    import torch
+
+    name = getattr(hf_config, CANDIDATE_VOCAB_KEY, None)
+    if not name:
+        return None
+    path = Path(model_dir) / name
+    if not path.is_file():
+        raise ValueError(f"{CANDIDATE_VOCAB_KEY}={name!r}: no such file in {model_dir}")
+    # JSON, not safetensors: vLLM's loader reads every *.safetensors in the folder.
+    raw = json.loads(path.read_text()).get("token_ids")
+    if not isinstance(raw, list) or not all(isinstance(i, int) for i in raw):
+        raise ValueError(f"{path.name}: expected {{\"token_ids\": [int, ...]}}")
+    ids = torch.tensor(raw, dtype=torch.int64)
+    vocab = hf_config.vocab_size
+    top_k = (getattr(hf_config, "dflash_config", None) or {}).get("selector_top_k", 1)
+    if ids.numel() < top_k or ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{path.name}: expected at least selector_top_k={top_k} ids in "
+                         f"[0, {vocab}), got {ids.numel()} ids"
+                         + (f" in [{ids.min()}, {ids.max()}]" if ids.numel() else ""))
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{path.name}: token ids must be unique")
+    return ids
