@@ -13,6 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Fixed K unless a test turns adaptive speculation on: acceptance counters then mean
 # the same thing in every run (test_adaptive.py covers the adaptive path).
 os.environ.setdefault("VLLM_DFLASH2_ADAPTIVE", "0")
+# Plain and speculative engines on the same GEMM: exactness tests compare their greedy
+# outputs token for token (tests/e2e/test_plugin_scope.py checks the default scope).
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")
 
 import pytest  # noqa: E402
 

@@ -63,10 +63,12 @@ class DeferredContext:
     """The stash of context rows not written yet, and its counters (read by tests and
     benchmarks through ``tools.bench.profiling.context_counters``)."""
 
-    def __init__(self, store: StoreFn, block_size: int, prefix_caching: bool,
+    def __init__(self, store: StoreFn, block_size: Callable[[], int], prefix_caching: bool,
                  batch_req_ids: Callable[[], list[str]]):
         self._store = store
-        self.block_size = block_size
+        # The draft KV block size, asked when needed: the proposer learns it only once the
+        # KV cache is set up, after this is built.
+        self._block_size = block_size
         # Only full blocks are ever read again after their request leaves (prefix-cache
         # hits), so departed requests' rows in partial blocks are dropped, not written.
         self.prefix_caching = prefix_caching
@@ -143,7 +145,7 @@ class DeferredContext:
         """Write the full-block rows of departed requests, drop the rest (see above).
         Python bookkeeping per request and entry; tensors are read only where a request
         filled a block (and only its last position, and one first position per entry)."""
-        bs = self.block_size
+        bs = self._block_size()
         write = []
         for rid in departed:
             held = []  # (entry, owner index) of the entries holding rows of rid

@@ -51,7 +51,7 @@ class DFlash2Proposer(DFlashProposer):
         self.deferred: DeferredContext | None = None
         if envs.get("VLLM_DFLASH2_DEFER_CONTEXT") and runner is not None:
             self.deferred = DeferredContext(
-                self._store_context_kv, self.block_size,
+                self._store_context_kv, lambda: self.block_size,
                 bool(vllm_config.cache_config.enable_prefix_caching),
                 lambda: runner.input_batch.req_ids)
         self._drafted = False  # did the last proposal draft anything

@@ -197,13 +197,22 @@ def run_in_process_engine(script: str, *argv, timeout: float = 600) -> str:
     import subprocess
     import sys
 
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # for ``helpers``
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-c", script, *map(str, argv)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"in-process engine child exited {proc.returncode}:\n"
                              f"{proc.stderr[-3000:]}")
     return proc.stdout
+
+
+def rejection_sampler_marked(worker) -> bool | None:
+    """Whether this engine's rejection sampler takes the zero-draft shortcut without
+    VLLM_DFLASH2_ALL_ENGINES (DFlash2Proposer.load_model marks it); None: no sampler."""
+    sampler = getattr(worker.model_runner, "rejection_sampler", None)
+    return None if sampler is None else bool(getattr(sampler, "dflash_engine", False))
 
 
 def zero_draft_kv(worker) -> int:

@@ -1,6 +1,6 @@
-"""Candidate vocabulary: candidates restricted to a token subset, inside real vLLM."""
+"""Candidate vocabulary without an engine: the head against its reference, the file
+checks and the vocabulary builder (inside real vLLM: tests/e2e/test_candidate_vocab_engine.py)."""
 
-import gc
 import json
 
 import pytest

@@ -11,8 +11,8 @@ from vllm_dflash2.deferred_context import DeferredContext, Pending
 def _settling_context(prefix_caching: bool, block_size: int = 4):
     """A DeferredContext whose writes are recorded, not stored."""
     written = []
-    p = DeferredContext(lambda *rows: written.append(rows), block_size, prefix_caching,
-                        lambda: [])
+    p = DeferredContext(lambda *rows: written.append(rows), lambda: block_size,
+                        prefix_caching, lambda: [])
     p.written = written
     return p
 

@@ -1,4 +1,6 @@
-"""The patch ledger: every patched vLLM symbol exists; register() is idempotent."""
+"""The patch ledger: every patched vLLM symbol and private upstream name exists, each
+patch declares its upstream issue and versions, register() is idempotent, and the
+engine-wide patches stay on DFlash engines unless asked."""
 
 import importlib
 import importlib.metadata
