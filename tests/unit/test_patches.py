@@ -332,7 +332,8 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
 
 def test_zero_draft_shortcut_leaves_other_engines_samplers_alone(monkeypatch):
     """An engine without a DFlash drafter (its sampler unmarked) runs upstream's rejection
-    sampling even at zero drafts, unless VLLM_DFLASH2_ALL_ENGINES=1 asks for every engine."""
+    sampling even at zero drafts, unless VLLM_DFLASH2_ALL_ENGINES=1 asks for every engine.
+    (The variable is read when the patch is made: fresh wrappers over upstream's forward.)"""
     import torch
     import vllm.v1.sample.rejection_sampler as rs_mod
     from vllm.platforms.cpu import CpuPlatform
@@ -342,21 +343,21 @@ def test_zero_draft_shortcut_leaves_other_engines_samplers_alone(monkeypatch):
     CpuPlatform.register_triton_kernel_overrides()
     patches._sample_plainly_without_drafts(rs_mod)
     forward = rs_mod.RejectionSampler.forward
-    [make_original] = [c.cell_contents for c in forward.__closure__ if callable(c.cell_contents)]
+    [upstream] = [c.cell_contents for c in forward.__closure__ if callable(c.cell_contents)]
     draws = []
     recovered = rs_mod.sample_recovered_tokens
     monkeypatch.setattr(rs_mod, "sample_recovered_tokens",
                         lambda *a, **k: draws.append(1) or recovered(*a, **k))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     no_drafts = _spec_metadata([[]] * 3)
-    forward(rs_mod.RejectionSampler(Sampler()), no_drafts, None, logits.clone(),
-            _sampling(3, 1.0, [1, 2, 3]))
-    assert draws == [1], "an unmarked sampler must run upstream's code"
-    # The variable is read when the patch is made: a fresh wrapper over the same original.
-    monkeypatch.setenv("VLLM_DFLASH2_ALL_ENGINES", "1")
-    holder = type("Holder", (), {"forward": make_original})
-    patches._sample_plainly_without_drafts(type("M", (), {"RejectionSampler": holder}))
-    draws.clear()
-    holder.forward(rs_mod.RejectionSampler(Sampler()), no_drafts, None, logits.clone(),
-                   _sampling(3, 1.0, [1, 2, 3]))
-    assert draws == [], "VLLM_DFLASH2_ALL_ENGINES=1 takes the shortcut on every engine"
+    for every, marked, shortcut in (("0", False, False), ("0", True, True),
+                                    ("1", False, True)):
+        monkeypatch.setenv("VLLM_DFLASH2_ALL_ENGINES", every)
+        holder = type("Holder", (), {"forward": upstream})
+        patches._sample_plainly_without_drafts(type("M", (), {"RejectionSampler": holder}))
+        sampler = rs_mod.RejectionSampler(Sampler())
+        if marked:
+            sampler.dflash_engine = True
+        draws.clear()
+        holder.forward(sampler, no_drafts, None, logits.clone(), _sampling(3, 1.0, [1, 2, 3]))
+        assert draws == ([] if shortcut else [1]), (every, marked)
