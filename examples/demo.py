@@ -118,7 +118,7 @@ def main() -> int:
     print(f"target {target.name}, drafter {drafter.name}, K = {k}, dtype {dtype}, "
           f"CPU flags: {cpu_flags()}")
     print(f"{len(PROMPTS)} prompts x {args.max_tokens} tokens, greedy; starting two vLLM "
-          f"engines (about a minute each)...", flush=True)
+          f"engines (each about a minute on an idle 2-core machine)...", flush=True)
 
     # Both engines: a warm-up request, then the measured batch. The plain engine also runs
     # the batch once with its top-2 raw logits first, from the same prefix-cache state as
