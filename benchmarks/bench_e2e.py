@@ -40,7 +40,8 @@ so a wave measures its slowest request, not c-way throughput. Methods:
 
 ``--dflash-drafter`` defaults to ``benchmarks/drafters/smollm2-135m-instruct-dflash``, the
 plain DFlash twin of the shipped drafter (same command, data and batches), when the
-target is the default one.
+target is the default one. The twin is not tracked: ``benchmarks/drafters/README.md`` gives
+the command that produces it; without it, ``dflash_v1`` stops with that command.
 
 All methods' engines (servers) are up together and every point is measured method after
 method, round after round (order reversed every other round), so a drifting machine
@@ -489,8 +490,15 @@ def main():
     from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
-    if args.target is None and args.dflash_drafter is None and TWIN.is_dir():
-        args.dflash_drafter = str(TWIN)  # trained beside the default drafter, for its target
+    if args.target is None and args.dflash_drafter is None:
+        if (TWIN / "model.safetensors").is_file():
+            args.dflash_drafter = str(TWIN)  # trained beside the default drafter, for its target
+        elif "dflash_v1" in args.methods:  # not tracked: produced by a recorded command
+            parser.error(f"dflash_v1: the plain DFlash twin {TWIN.relative_to(ROOT)} is missing; "
+                         "get it with `git restore --source=8d85903 -- benchmarks/drafters/"
+                         "smollm2-135m-instruct-dflash` or retrain it with the command in "
+                         "benchmarks/drafters/README.md, or pass --dflash-drafter DIR, or "
+                         "leave dflash_v1 out of --methods")
     args.target = args.target or str(assets.ensure_target())
     args.drafter = args.drafter or str(assets.default_drafter())
     methods = list(args.methods)
