@@ -224,7 +224,7 @@ def setup_target(args, work: Path) -> Path:
     """The HF target: ``--target``, or the pieces verified, joined and converted."""
     if args.target:
         return Path(args.target)
-    from vllm_dflash2.assets import convert_gguf, is_complete
+    from vllm_dflash2.assets import TARGET_NAME, convert_gguf, is_complete
 
     pieces_dir = Path(args.pieces)
     m = read_manifest(pieces_dir)
@@ -233,7 +233,7 @@ def setup_target(args, work: Path) -> Path:
     gguf = gguf_dir / m["file"]
     if not (gguf.is_file() and gguf.stat().st_size == m["size"] and sha256(gguf) == m["sha256"]):
         join(pieces_dir, m["pieces"], gguf, m["sha256"])
-    out = work / "target"
+    out = work / TARGET_NAME  # the name the summary and the card record
     return out if is_complete(out, gguf) else convert_gguf(gguf, out)
 
 
@@ -345,6 +345,7 @@ def export_files(src: Path, dest: Path, max_bytes: int) -> list[str]:
 def cmd_run(args, extra: list[str]) -> int:
     import torch
 
+    from vllm_dflash2.assets import DEFAULT_DRAFTER
     from vllm_dflash2.train import cli
     from vllm_dflash2.train.cli import default_layer_ids
 
@@ -371,10 +372,10 @@ def cmd_run(args, extra: list[str]) -> int:
             shutil.rmtree(data_dir, ignore_errors=True)
             print(json.dumps(generate(args, target_dir, data_dir, layer_ids, clock.budget["datagen"], device)),
                   flush=True)
-    train_out = work / "train"
+    train_out, export = work / "train", work / DEFAULT_DRAFTER  # the card's title is the folder's name
     shutil.rmtree(train_out, ignore_errors=True)  # the budgets are for one uninterrupted run
     argv = ["--data", str(data_dir), "--target", str(target_dir), "--out", str(train_out),
-            "--export", str(work / "export"), "--layers", str(args.layers),
+            "--export", str(export), "--layers", str(args.layers),
             "--intermediate-size", str(args.intermediate_size), "--batch-seqs", str(args.batch_seqs),
             "--blocks-per-seq", str(args.blocks_per_seq), "--time-budget-min", f"{clock.budget['train'] / 60:.3f}",
             "--eval-prompts", str(args.eval_prompts), "--eval-new-tokens", str(args.eval_new_tokens),
@@ -390,7 +391,7 @@ def cmd_run(args, extra: list[str]) -> int:
     clock.took["eval"] = round(tau.get("seconds", 0.0), 1)
     clock.took["train"] = round(clock.took["train"] - clock.took["eval"], 1)
     with clock.stage("export"):
-        files = export_files(work / "export", out, int(args.max_file_mb * 1e6))
+        files = export_files(export, out, int(args.max_file_mb * 1e6))
     timing = clock.report()
     (out / "recipe.json").write_text(json.dumps({"env": env, "timing": timing, "train_argv": argv,
                                                  "summary": summary}, indent=1) + "\n")

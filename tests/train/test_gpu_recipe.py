@@ -84,10 +84,32 @@ def test_recipe_runs_end_to_end_on_cpu(tmp_path, driver, capsys):
     assert len(parts) >= 2 and "model.safetensors" not in files
 
     assert driver.main(["join", str(out)]) == 0
-    assert (out / "model.safetensors").read_bytes() == (work / "export" / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == (work / "smollm2-135m-instruct-dflash2" / "model.safetensors").read_bytes()
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    back, ref = load_native(out), load_native(work / "export")
+    back, ref = load_native(out), load_native(work / "smollm2-135m-instruct-dflash2")
     for (k, a), (_, b) in zip(back.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), k
     assert json.loads((out / "config.json").read_text())["vllm_dflash2_candidate_vocab"] == "candidate_vocab.json"
+
+
+def test_on_device_adapter_keeps_generation_identical(tmp_path, driver):
+    """The adapter that runs ``generate_dataset`` with the target on a GPU, exercised with the
+    CPU as the device: same sequences, features and soft labels; the lm_head is restored."""
+    from vllm_dflash2.testing import build_tiny_target
+    from vllm_dflash2.train.cli import load_target
+    from vllm_dflash2.train.data import generate_dataset, make_jobs
+
+    target, tok, _ = load_target(str(build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=4)))
+    jobs = make_jobs(tok, 4, stdlib_fraction=0.0, seed=3)
+    head = target.lm_head
+    ref, _ = generate_dataset(target, tok, jobs, [0, 2], 10, batch_size=2, seed=5, progress=False)
+    with driver.OnDevice(target, torch.device("cpu")) as on:
+        assert isinstance(target.lm_head, torch.nn.Module) and target.lm_head is not head
+        got, _ = generate_dataset(target, tok, jobs, [0, 2], 10, batch_size=2, seed=5, progress=False)
+    assert target.lm_head is head and not target.model._forward_pre_hooks and on.head is head
+    assert len(got) == len(ref) > 0
+    for a, b in zip(ref, got):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k

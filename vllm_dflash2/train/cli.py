@@ -16,6 +16,7 @@ batches) of the first. Data-parallel under torch's launcher::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -250,8 +251,10 @@ def train(args, d: Dist | None = None) -> dict:
                  "final_metrics_avg20": avg, "world": st["world"], "device": d.device.type,
                  "micro_batch_seqs": st["micro_batch_seqs"]}
         if args.eval_prompts:  # on the CPU, where the target is
-            sel = [p for p in held if p["kind"] == "code"][: args.eval_prompts // 2] + \
-                [p for p in held if p["kind"] == "chat"][: args.eval_prompts // 2]
+            code = [p for p in held if p["kind"] == "code"][: args.eval_prompts // 2]
+            chat = [p for p in held if p["kind"] == "chat"][: args.eval_prompts // 2]
+            # alternating: a budget cut keeps both kinds
+            sel = [p for pair in itertools.zip_longest(code, chat) for p in pair if p is not None]
             budget = None if args.eval_budget_min is None else args.eval_budget_min * 60.0
             entry["offline_tau"] = estimate_tau(target, tok, model, sel, args.eval_new_tokens,
                                                 head=Head(lm_head.cpu(), vocab), budget_s=budget)
