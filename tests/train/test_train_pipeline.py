@@ -324,8 +324,13 @@ def write_data(root, tpath, layer_ids, num=6, max_new_tokens=12, seed=0, shard_s
     tok = AutoTokenizer.from_pretrained(tpath)
     model = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
     jobs = make_jobs(tok, num, seed=seed)
-    data, stats = generate_dataset(model, tok, jobs, layer_ids, max_new_tokens, batch_size=3, seed=seed,
-                                   progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only wait on each other on a busy machine
+    try:
+        data, stats = generate_dataset(model, tok, jobs, layer_ids, max_new_tokens, batch_size=3, seed=seed,
+                                       progress=False)
+    finally:
+        torch.set_num_threads(threads)
     header = {"layer_ids": layer_ids, "feature_dim": data[0]["feats"].shape[-1], "teacher_top_n": 16,
               "target": "tiny"}
     w = shards.ShardWriter(root, header, {"command": f"datagen seed {seed}", "engine": "hf",
