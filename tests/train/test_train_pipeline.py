@@ -429,6 +429,12 @@ def test_train_reads_several_data_folders(tmp_path, capsys, tiny_run):
         cli.main(common + ["--data", str(other)])
     with pytest.raises(SystemExit, match=r"--data: .*layer_ids=\[0, 3\].*layer_ids=\[1, 2\]"):
         cli.main(common + ["--data", str(data), str(other)])
+    from vllm_dflash2.testing import build_tiny_target
+
+    wide = build_tiny_target(tmp_path / "wide", hidden_size=96, num_layers=4, seed=2)
+    wide_data = write_data(tmp_path / "wide_data", wide, [0, 3], num=3, max_new_tokens=8)
+    with pytest.raises(SystemExit, match=r"--data: features of width 192, expected 128"):
+        cli.main(common + ["--data", str(wide_data)])
     with pytest.raises(SystemExit, match=r"--data: .*nowhere has no manifest.json"):
         cli.main(common + ["--data", str(tmp_path / "nowhere")])
     with pytest.raises(SystemExit, match=r"--micro-batch-seqs: got 3, expected a divisor of --batch-seqs 2"):

@@ -117,7 +117,8 @@ def make_config(args, tconf, variant: str) -> DraftConfig:
     )
 
 
-def read_data(args, layer_ids: list[int], device: torch.device) -> tuple[list[dict], dict]:
+def read_data(args, layer_ids: list[int], device: torch.device,
+              feature_dim: int | None = None) -> tuple[list[dict], dict]:
     """Every sequence of the ``--data`` folders (every rank reads all of them: see loop.py)."""
     from .shards import read_shards
 
@@ -135,6 +136,9 @@ def read_data(args, layer_ids: list[int], device: torch.device) -> tuple[list[di
         raise SystemExit(f"--data: features of layers {header['layer_ids']}, the drafter reads "
                          f"{layer_ids} (--target-layer-ids)")
     fdim = data[0]["feats"].shape[-1]
+    if feature_dim is not None and fdim != feature_dim:
+        raise SystemExit(f"--data: features of width {fdim}, expected {feature_dim} "
+                         f"({len(layer_ids)} layers x the target's hidden size); another target's data?")
     if device.type != "cpu":  # the whole set on the device: batches are gathered there
         data = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in x.items()} for x in data]
     return data, dataset_info(data, header, fdim)
@@ -217,7 +221,7 @@ def train(args, d: Dist | None = None) -> dict:
     embed = target.get_input_embeddings().weight.detach().float().to(d.device)
     log = print if d.main else (lambda *a, **k: None)
 
-    data, info = read_data(args, layer_ids, d.device)
+    data, info = read_data(args, layer_ids, d.device, len(layer_ids) * int(target.config.hidden_size))
     log(f"dataset: {len(data)} sequences, {info['tokens']} tokens ({info['answer_tokens']} answer tokens) "
         f"from {len(args.data)} folder(s); world {d.world} on {d.device.type}", flush=True)
     vocab_size = int(target.config.vocab_size)

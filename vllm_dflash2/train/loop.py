@@ -8,7 +8,9 @@ micro-batches of ``--micro-batch-seqs`` sequences; rank r computes its contiguou
 them and the step's gradient is the mean of the micro-batches' loss gradients. With the
 same micro-batch size, N processes therefore take the same optimizer steps as 1 process
 (which accumulates the micro-batches itself), and a checkpoint resumes under any world
-size that divides the number of micro-batches.
+size that divides the number of micro-batches. For that, every rank holds the whole
+dataset (a rank must be able to build any micro-batch); ranks reading disjoint shards
+would make the batch stream, and so the trained model, depend on the world size.
 """
 
 from __future__ import annotations
