@@ -318,7 +318,7 @@ def generate(args, target_dir: Path, data_dir: Path, layer_ids: list[int], budge
         print(f"datagen chunk {i}: {len(data)} sequences in {last:.1f}s, {writer.num_sequences} in all, "
               f"{writer.answer_tokens} answer tokens", flush=True)
     writer.close(seconds=round(time.time() - t0, 1), chunks=i, **totals)
-    del target
+    del target, ctx
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"sequences": writer.num_sequences, "answer_tokens": writer.answer_tokens, "chunks": i}
@@ -422,7 +422,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the drafter, in files of at most --max-file-mb, plus recipe.json")
     r.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of the whole run")
     r.add_argument("--jobs", type=int, default=16384, help="most sequences to generate")
-    r.add_argument("--chunk-jobs", type=int, default=1024, help="jobs per generate_dataset call")
+    r.add_argument("--chunk-jobs", type=int, default=512,
+                   help="jobs per generate_dataset call (a chunk cannot stop midway: small keeps the plan)")
     r.add_argument("--gen-batch-size", type=int, default=256)
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--stdlib-fraction", type=float, default=0.15)
