@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from vllm_dflash2.train.cli import sample_batch
 from vllm_dflash2.train.data import target_features
+from vllm_dflash2.train.loop import sample_batch
 from vllm_dflash2.train.estimate import speculative_greedy
 from vllm_dflash2.train.model import DraftConfig, DraftModel, Head, block_loss, load_native
 
@@ -226,7 +226,7 @@ def test_self_distillation_dataset(tmp_path):
     template and drops prompts that resemble held-out ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from helpers.probes import build_tiny_target
+    from vllm_dflash2.tools.tiny_models import build_tiny_target
     from vllm_dflash2.train.data import Job, chat_ids, generate_dataset, user_turn_parts
 
     path = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=3)
@@ -313,25 +313,62 @@ def test_soft_labels(target):
     assert torch.allclose(mixed, (ce * w).sum() / w.sum(), atol=1e-5)
 
 
-def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, monkeypatch):
-    """``vllm-dflash2 train`` end to end on a tiny target: dataset, checkpoints, an export that
+def write_data(root, tpath, layer_ids, num=6, max_new_tokens=12, seed=0, shard_sequences=3):
+    """A tiny data folder as ``vllm-dflash2 datagen`` writes it: the target answers
+    self-instruct / stdlib prompts (``data.generate_dataset``), ``shards.ShardWriter`` stores them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_dflash2.train import shards
+    from vllm_dflash2.train.data import generate_dataset, make_jobs
+
+    tok = AutoTokenizer.from_pretrained(tpath)
+    model = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
+    jobs = make_jobs(tok, num, seed=seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only wait on each other on a busy machine
+    try:
+        data, stats = generate_dataset(model, tok, jobs, layer_ids, max_new_tokens, batch_size=3, seed=seed,
+                                       progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    header = {"layer_ids": layer_ids, "feature_dim": data[0]["feats"].shape[-1], "teacher_top_n": 16,
+              "target": "tiny"}
+    w = shards.ShardWriter(root, header, {"command": f"datagen seed {seed}", "engine": "hf",
+                                          "max_new_tokens": max_new_tokens}, shard_sequences=shard_sequences)
+    for x in data:
+        w.add(x)
+    w.close(**stats)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target and a data folder of it (features of layers 0 and 3)."""
+    from vllm_dflash2.tools.tiny_models import build_tiny_target
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    tpath = build_tiny_target(root / "t", hidden_size=64, num_layers=4, seed=2)
+    return tpath, write_data(root / "data", tpath, [0, 3])
+
+
+def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, monkeypatch, tiny_run):
+    """``vllm-dflash2 train`` end to end on a tiny target: data folder, checkpoints, an export that
     passes the drafter checks, a card. A run interrupted after a checkpoint and rerun with the
     same command resumes and ends exactly where an uninterrupted run ends (batches depend
     only on the seed and the step); the plain DFlash twin lands in the same summary."""
-    from helpers.probes import build_tiny_target
-    from vllm_dflash2.train import cli
+    from vllm_dflash2.train import cli, loop
     from vllm_dflash2.validation import target_spec_from_dir, validate_drafter
 
-    tpath = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=4, seed=2)
+    tpath, data = tiny_run
     out, ref, d2, d1 = tmp_path / "work", tmp_path / "ref", tmp_path / "d2", tmp_path / "d1"
-    common = ["--target", str(tpath), "--num-prompts", "6", "--max-new-tokens", "12",
-              "--gen-batch-size", "3", "--layers", "1", "--intermediate-size", "64", "--block-size", "4",
+    common = ["--target", str(tpath), "--data", str(data),
+              "--layers", "1", "--intermediate-size", "64", "--block-size", "4",
               "--conv-group-size", "8", "--selector-rank", "4", "--target-layer-ids", "0,3",
               "--mask-token-id", "5", "--candidate-vocab", "0", "--batch-seqs", "2",
               "--blocks-per-seq", "2", "--ckpt-every", "2", "--threads", "1", "--no-progress",
               "--max-steps", "4"]
 
-    real_loss, calls = cli.block_loss, []
+    real_loss, calls = loop.block_loss, []
 
     def interrupted(*a, **k):  # a crash in step 3, after the step-2 checkpoint
         calls.append(1)
@@ -339,14 +376,14 @@ def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, mon
             raise KeyboardInterrupt
         return real_loss(*a, **k)
 
-    monkeypatch.setattr(cli, "block_loss", interrupted)
+    monkeypatch.setattr(loop, "block_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cli.main(common + ["--out", str(out), "--export", str(d2)])
-    monkeypatch.setattr(cli, "block_loss", real_loss)
-    assert (out / "dataset.pt").is_file() and (out / "ckpt_dflash2.pt").is_file()
+    monkeypatch.setattr(loop, "block_loss", real_loss)
+    assert (out / "ckpt_dflash2.pt").is_file() and not (out / "summary.json").exists()
     assert cli.main(common + ["--out", str(out), "--export", str(d2)]) == 0
     assert "resumed dflash2 at step 2" in capsys.readouterr().out
-    assert cli.main(common + ["--out", str(ref), "--dataset", str(out / "dataset.pt")]) == 0
+    assert cli.main(common + ["--out", str(ref)]) == 0
     resumed = json.loads((out / "history_dflash2.json").read_text())
     straight = json.loads((ref / "history_dflash2.json").read_text())
     assert [h["step"] for h in resumed] == [1, 2, 3, 4]
@@ -364,31 +401,43 @@ def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, mon
         assert load_native(dest).cfg.variant == variant
         card = (dest / "README.md").read_text()
         assert f"vllm-dflash2 train --target {tpath}" in card and "--max-steps 4" in card
+        assert "`datagen seed 0`" in card  # how the data was made
 
 
-def test_data_shards_grow_a_dataset(tmp_path, capsys):
-    """``--data-shards 2`` keeps shard 0 (the single-file dataset of a 1-shard run) and adds
-    dataset-1.pt, generated with the next seed; the summary counts both; 0 shards is refused."""
-    from helpers.probes import build_tiny_target
-    from vllm_dflash2.train import cli
+def test_train_reads_several_data_folders(tmp_path, capsys, tiny_run):
+    """``--data A B`` trains on both folders' sequences and the summary counts both;
+    folders of other taps, folders without a manifest and flags that cannot be honoured
+    are refused before training, naming the flag and the value."""
+    from vllm_dflash2.train import cli, shards
 
-    tpath = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=4, seed=2)
+    tpath, data = tiny_run
+    more = write_data(tmp_path / "more", tpath, [0, 3], num=4, max_new_tokens=10, seed=1)
+    n_a, n_b = (len(shards.read_shards(p)[0]) for p in (data, more))
     out = tmp_path / "work"
-    common = ["--target", str(tpath), "--out", str(out), "--num-prompts", "4", "--max-new-tokens", "10",
-              "--gen-batch-size", "4", "--layers", "1", "--intermediate-size", "64", "--block-size", "4",
-              "--conv-group-size", "8", "--selector-rank", "4", "--target-layer-ids", "0,3",
-              "--mask-token-id", "5", "--candidate-vocab", "0", "--batch-seqs", "2",
-              "--blocks-per-seq", "2", "--threads", "1", "--no-progress", "--max-steps", "1"]
-    assert cli.main(common) == 0
-    shard0 = (out / "dataset.pt").read_bytes()
-    n0 = json.loads((out / "summary.json").read_text())["dataset"]["sequences"]
-    assert cli.main(common + ["--data-shards", "2", "--max-steps", "2"]) == 0
-    assert (out / "dataset.pt").read_bytes() == shard0  # reused, not regenerated
-    s0 = torch.load(out / "dataset.pt", weights_only=False)["sequences"]
-    s1 = torch.load(out / "dataset-1.pt", weights_only=False)["sequences"]
-    assert [x["tokens"].tolist() for x in s0] != [x["tokens"].tolist() for x in s1]  # another seed
+    common = ["--target", str(tpath), "--out", str(out), "--layers", "1", "--intermediate-size", "64",
+              "--block-size", "4", "--conv-group-size", "8", "--selector-rank", "4",
+              "--target-layer-ids", "0,3", "--mask-token-id", "5", "--candidate-vocab", "0",
+              "--batch-seqs", "2", "--blocks-per-seq", "2", "--threads", "1", "--no-progress",
+              "--max-steps", "1"]
+    assert cli.main(common + ["--data", str(data), str(more)]) == 0
     ds = json.loads((out / "summary.json").read_text())["dataset"]
-    assert ds["shards"] == 2 and ds["sequences"] == n0 + len(s1) == len(s0) + len(s1)
-    assert f"dataset: {len(s0) + len(s1)} sequences" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--data-shards: got 0"):
-        cli.main(common + ["--data-shards", "0"])
+    assert ds["sequences"] == n_a + n_b and ds["runs"] == 2
+    assert ds["commands"] == ["datagen seed 0", "datagen seed 1"]
+    assert f"dataset: {n_a + n_b} sequences" in capsys.readouterr().out
+    other = write_data(tmp_path / "other", tpath, [1, 2], num=3, max_new_tokens=8)
+    with pytest.raises(SystemExit, match=r"--data: features of layers \[1, 2\], the drafter reads \[0, 3\]"):
+        cli.main(common + ["--data", str(other)])
+    with pytest.raises(SystemExit, match=r"--data: .*layer_ids=\[0, 3\].*layer_ids=\[1, 2\]"):
+        cli.main(common + ["--data", str(data), str(other)])
+    from vllm_dflash2.tools.tiny_models import build_tiny_target
+
+    wide = build_tiny_target(tmp_path / "wide", hidden_size=96, num_layers=4, seed=2)
+    wide_data = write_data(tmp_path / "wide_data", wide, [0, 3], num=3, max_new_tokens=8)
+    with pytest.raises(SystemExit, match=r"--data: features of width 192, expected 128"):
+        cli.main(common + ["--data", str(wide_data)])
+    with pytest.raises(SystemExit, match=r"--data: .*nowhere has no manifest.json"):
+        cli.main(common + ["--data", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match=r"--micro-batch-seqs: got 3, expected a divisor of --batch-seqs 2"):
+        cli.main(common + ["--data", str(data), "--micro-batch-seqs", "3"])
+    with pytest.raises(SystemExit, match=r"--variants: got 'eagle'"):
+        cli.main(common + ["--data", str(data), "--variants", "eagle"])

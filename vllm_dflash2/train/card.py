@@ -13,7 +13,8 @@ def _tau_table(variants: dict) -> str:
         if not t:
             continue
         per = ", ".join(f"{a:.2f}" for a in t["all"]["acceptance_per_pos"])
-        rows.append(f"| {name} | {t['code']['tau']:.3f} | {t['chat']['tau']:.3f} | {t['all']['tau']:.3f} | {per} |")
+        tau = {k: f"{t[k]['tau']:.3f}" if k in t else "-" for k in ("code", "chat", "all")}
+        rows.append(f"| {name} | {tau['code']} | {tau['chat']} | {tau['all']} | {per} |")
     return "\n".join(rows)
 
 
@@ -47,8 +48,7 @@ def write_card(dest: str | Path, summary: dict, variant: str, evaluation: dict |
     data_min = ds.get("seconds", 0) / 60
     train_min = v["train_seconds"] / 60
     vocab = summary.get("candidate_vocab", {})
-    n_shards = ds.get("shards", 1)
-    shards = f" ({n_shards} shards of equal size, shard i generated with seed + i)" if n_shards > 1 else ""
+    made = "; ".join(f"`{c}`" for c in ds.get("commands", [])) or "not recorded"
     text = f"""# {dest.name}
 
 {kind} drafter for **{summary.get('target', 'the target')}** (the target that
@@ -67,16 +67,17 @@ target's embedding of `mask_token_id` {dc['mask_token_id']}.
 
 ## Data
 
-Self-distillation only: no hub, no public benchmark set. {ds.get('jobs')} prompts{shards}:
-{100 * (1 - ds.get('stdlib_fraction', 0)):.0f}% written by the target itself (its chat template opened for a
-user turn, optionally with a generic opener such as "Write a Python function" or "How can I",
-continued at temperature 1), {100 * ds.get('stdlib_fraction', 0):.0f}% built from the installed Python
-standard library's docstrings; every prompt answered by the target's greedy decoding
-(max {ds.get('max_new_tokens')} tokens). Kept: {ds.get('sequences')} sequences ({ds.get('kinds')}),
+Self-distillation only: no hub, no public benchmark set. {ds.get('sequences')} sequences
+({ds.get('kinds')}) from {ds.get('runs', 0)} data-generation run(s) ({made}), {ds.get('jobs', 'n/a')}
+prompts asked: written by the target itself (its chat template opened for a user turn, optionally with a
+generic opener such as "Write a Python function" or "How can I", continued at temperature 1) or built
+from the installed Python standard library's docstrings (share {ds.get('stdlib_fraction', 'n/a')});
+every prompt answered by the target's greedy decoding (max {ds.get('max_new_tokens', 'n/a')} tokens).
 {ds.get('answer_tokens')} answer tokens, {ds.get('tokens')} tokens in all; dropped as too short:
-{ds.get('dropped_short')}, as resembling a held-out prompt: {ds.get('dropped_held_out')}. Features and the
-target's top-16 next-token distributions (soft labels) are captured in the same forward passes.
-Held-out eval prompts (`examples/prompts/`) are hand-written and never enter training.
+{ds.get('dropped_short', 'n/a')}, as resembling a held-out prompt: {ds.get('dropped_held_out', 'n/a')}.
+Features (layers {ds.get('layer_ids')}) and the target's top-{ds.get('teacher_top_n')} next-token
+distributions (soft labels) are captured in the same forward passes. Held-out eval prompts
+(`examples/prompts/`) are hand-written and never enter training.
 
 ## Training
 
@@ -84,8 +85,8 @@ Held-out eval prompts (`examples/prompts/`) are hand-written and never enter tra
 {v['command']}
 ```
 
-Data generation {data_min:.1f} min + training {train_min:.1f} min = {data_min + train_min:.1f} min on 2 CPU
-cores; {v['steps']} steps. Last-20-step averages:
+Data generation {data_min:.1f} min + training {train_min:.1f} min = {data_min + train_min:.1f} min;
+{v['steps']} steps, {v.get('world', 1)} process(es) on {v.get('device', 'cpu')}. Last-20-step averages:
 `{json.dumps({k: round(x, 3) for k, x in v['final_metrics_avg20'].items()})}`.
 """
     for name, other in summary["variants"].items():

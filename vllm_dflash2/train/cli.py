@@ -1,48 +1,45 @@
 """`vllm-dflash2 train`: self-distillation of a DFlash2 (or plain DFlash) drafter for a
-local HF target, with checkpoints, resume, native export and the offline acceptance
-estimator. Entry point: ``vllm_dflash2.train.cli:main``.
+local HF target from data folders, with checkpoints, resume, native export and the
+offline acceptance estimator. Entry point: ``vllm_dflash2.train.cli:main``.
 
-One run: build (or reuse) the dataset, rank the candidate vocabulary, then train each
-requested variant in turn on the same sequence of batches and export it. Variants are
-trained one after another, each with the whole budget; ``--max-steps`` gives a second
-variant exactly the steps (and so the batches) of the first.
+One run: read the data folders (written by ``vllm-dflash2 datagen``; see shards.py),
+rank the candidate vocabulary, then train each requested variant in turn on the same
+sequence of batches and export it. Variants are trained one after another, each with
+the whole budget; ``--max-steps`` gives a second variant exactly the steps (and so the
+batches) of the first. Data-parallel under torch's launcher::
+
+    torchrun --nproc-per-node N -m vllm_dflash2.train --data DIR ... --out OUT
+
+(gloo on CPU, NCCL on GPU; see loop.py for how a step's batch is shared).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import math
-import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from . import dist
 from .card import write_card
-from .data import generate_dataset, held_out_prompts, make_jobs
+from .data import held_out_prompts
+from .dist import Dist
 from .estimate import estimate_tau
-from .model import DraftConfig, DraftModel, Head, block_loss, param_count
+from .loop import head_to, micro_batches, sample_batch, train_variant  # noqa: F401  (sample_batch: API)
+from .model import DraftConfig, Head, param_count
 from .vocab import coverage, rank_tokens, write as write_vocab
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-dflash2 train", description=__doc__.splitlines()[0])
+    p.add_argument("--data", nargs="+", required=True, metavar="DIR",
+                   help="data folders written by `vllm-dflash2 datagen` (read together)")
     p.add_argument("--target", default=None, help="HF target folder (default: the bundled SmolLM2 target)")
-    p.add_argument("--out", required=True, help="work folder: dataset, checkpoints, exports")
-    p.add_argument("--dataset", default=None, help="dataset file to reuse or create (default OUT/dataset.pt)")
+    p.add_argument("--out", required=True, help="work folder: checkpoints, histories, exports, summary")
     p.add_argument("--variants", default="dflash2", help="comma list of dflash2,dflash")
-    # data
-    p.add_argument("--num-prompts", type=int, default=256, help="sequences to generate (per shard)")
-    p.add_argument("--data-shards", type=int, default=1,
-                   help="dataset shards of --num-prompts each; shard i is seeded seed+i and saved as "
-                        "OUT/dataset.pt (i=0) or OUT/dataset-i.pt, so a run can grow its data")
-    p.add_argument("--code-fraction", type=float, default=0.5)
-    p.add_argument("--stdlib-fraction", type=float, default=0.15,
-                   help="share of prompts built from stdlib docstrings (the rest: self-instruct)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--gen-batch-size", type=int, default=64)
     # model
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=1536)
@@ -54,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--candidate-vocab", type=int, default=16384,
                    help="tokens the drafter may propose, ranked on the dataset (0: whole vocabulary)")
     # optimisation
-    p.add_argument("--batch-seqs", type=int, default=4)
+    p.add_argument("--batch-seqs", type=int, default=4, help="sequences per optimizer step (all ranks)")
+    p.add_argument("--micro-batch-seqs", type=int, default=None,
+                   help="sequences per forward/backward; the step averages its micro-batches' "
+                        "gradients, shared among the ranks (default: --batch-seqs / world size). "
+                        "Equal values give equal steps under any world size")
     p.add_argument("--blocks-per-seq", type=int, default=24)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=4.0)
@@ -71,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts for the final offline tau")
     p.add_argument("--eval-new-tokens", type=int, default=256)
+    p.add_argument("--eval-budget-min", type=float, default=None,
+                   help="stop starting held-out prompts after this many minutes of evaluation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads per process")
     p.add_argument("--export", default=None, help="copy the DFlash2 export here at the end")
     p.add_argument("--export-dflash", default=None, help="copy the plain DFlash export here at the end")
     p.add_argument("--no-progress", action="store_true")
@@ -114,109 +117,59 @@ def make_config(args, tconf, variant: str) -> DraftConfig:
     )
 
 
-def sample_batch(data, rng: random.Random, n_seq: int, nb: int, block: int, with_teacher: bool = False):
-    """Pad ``n_seq`` random sequences; ``nb`` random anchors each inside the answer.
+def read_data(args, layer_ids: list[int], device: torch.device,
+              feature_dim: int | None = None) -> tuple[list[dict], dict]:
+    """Every sequence of the ``--data`` folders (every rank reads all of them: see loop.py)."""
+    from .shards import read_shards
 
-    Returns (feats [n_seq, S, A*H] float, tokens [n_seq, S + block] with -1 past each
-    sequence's end, anchors [n_seq, nb]); context of an anchor a: features of 0..a-1.
-    ``with_teacher`` adds the soft labels aligned with ``tokens``: (ids, log-probs)
-    [n_seq, S + block, k], entry t being the target's distribution of token t (ids -1
-    where there is none), or None when the data has no soft labels.
-    """
-    seqs = [data[rng.randrange(len(data))] for _ in range(n_seq)]
-    s = max(len(x["tokens"]) for x in seqs)
-    fdim = seqs[0]["feats"].shape[-1]
-    tokens = torch.full((n_seq, s + block), -1, dtype=torch.long)
-    feats = torch.zeros(n_seq, s, fdim)
-    anchors = torch.zeros(n_seq, nb, dtype=torch.long)
-    has_teacher = with_teacher and all("teacher_ids" in x for x in seqs)
-    if has_teacher:
-        kt = seqs[0]["teacher_ids"].shape[-1]
-        t_ids = torch.full((n_seq, s + block, kt), -1, dtype=torch.long)
-        t_logp = torch.full((n_seq, s + block, kt), float("-inf"))
-    for i, x in enumerate(seqs):
-        n = len(x["tokens"])
-        tokens[i, :n] = x["tokens"].long()
-        f = x["feats"]
-        feats[i, : f.shape[0]] = f.float()
-        if has_teacher:  # the distribution after token t-1 is that of token t
-            t_ids[i, 1:n] = x["teacher_ids"].long()
-            t_logp[i, 1:n] = x["teacher_logp"].float()
-        lo, hi = x["prompt_len"], max(x["prompt_len"], n - 2)
-        anchors[i] = torch.tensor([rng.randint(lo, hi) for _ in range(nb)])
-    if not with_teacher:
-        return feats, tokens, anchors
-    return feats, tokens, anchors, ((t_ids, t_logp) if has_teacher else None)
+    missing = [p for p in args.data if not (Path(p) / "manifest.json").is_file()]
+    if missing:
+        raise SystemExit(f"--data: {missing[0]} has no manifest.json; expected a data folder "
+                         f"written by `vllm-dflash2 datagen` (sharded safetensors)")
+    try:
+        data, header = read_shards(args.data)
+    except ValueError as exc:
+        raise SystemExit(f"--data: {exc}") from None
+    if not data:
+        raise SystemExit(f"--data {' '.join(args.data)}: no complete shard; expected at least one sequence")
+    if header.get("layer_ids") not in (None, layer_ids):
+        raise SystemExit(f"--data: features of layers {header['layer_ids']}, the drafter reads "
+                         f"{layer_ids} (--target-layer-ids)")
+    fdim = data[0]["feats"].shape[-1]
+    if feature_dim is not None and fdim != feature_dim:
+        raise SystemExit(f"--data: features of width {fdim}, expected {feature_dim} "
+                         f"({len(layer_ids)} layers x the target's hidden size); another target's data?")
+    if device.type != "cpu":  # the whole set on the device: batches are gathered there
+        data = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in x.items()} for x in data]
+    return data, dataset_info(data, header, fdim)
 
 
-def build_dataset(args, target, tok, layer_ids, path: Path, seed: int | None = None,
-                  exclude: set[str] | None = None) -> dict:
-    """Generate one self-distillation dataset shard once; later runs reuse the file.
-    ``exclude``: prompts of earlier shards (stdlib-derived prompts are not drawn twice)."""
-    t0 = time.time()
-    seed = args.seed if seed is None else seed
-    held = [p["prompt"] for p in held_out_prompts()]
-    jobs = make_jobs(tok, args.num_prompts, code_fraction=args.code_fraction,
-                     stdlib_fraction=args.stdlib_fraction, seed=seed, exclude=exclude)
-    data, stats = generate_dataset(target, tok, jobs, layer_ids, args.max_new_tokens,
-                                   batch_size=args.gen_batch_size, seed=seed,
-                                   progress=not args.no_progress, held_out=held)
-    stats.update(seconds=time.time() - t0, layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
-                 code_fraction=args.code_fraction, stdlib_fraction=args.stdlib_fraction,
-                 kinds={k: sum(d["kind"] == k for d in data) for k in ("code", "chat")})
-    torch.save({"sequences": data, "info": stats}, path)
-    return {"sequences": data, "info": stats}
-
-
-def shard_paths(args, out: Path) -> list[tuple[Path, int]]:
-    """(file, seed) of every dataset shard; shard 0 is the single-file dataset of old runs."""
-    first = Path(args.dataset) if args.dataset else out / "dataset.pt"
-    return [(first if i == 0 else first.with_name(f"{first.stem}-{i}{first.suffix}"), args.seed + i)
-            for i in range(args.data_shards)]
-
-
-def merge_info(infos: list[dict]) -> dict:
-    """One dataset header for the card: counts and seconds summed over the shards."""
-    if len(infos) == 1:
-        return infos[0]
-    out = dict(infos[0])
-    for key in ("jobs", "dropped_held_out", "dropped_short", "forward_rows", "sequences", "tokens",
-                "answer_tokens", "seconds"):
-        out[key] = sum(i.get(key, 0) for i in infos)
-    out["kinds"] = {k: sum(i.get("kinds", {}).get(k, 0) for i in infos) for k in ("code", "chat")}
-    out["shards"] = len(infos)
-    return out
-
-
-def load_or_build(args, target, tok, layer_ids, out: Path) -> tuple[list[dict], dict]:
-    data, infos = [], []
-    for path, seed in shard_paths(args, out):
-        if path.is_file():
-            blob = load_dataset(path)
-        else:
-            blob = build_dataset(args, target, tok, layer_ids, path, seed,
-                                 exclude={d.get("prompt", "") for d in data})
-        info = blob["info"]
-        if info.get("layer_ids") not in (None, layer_ids):
-            raise SystemExit(f"--dataset {path}: features of layers {info['layer_ids']}, "
-                             f"the drafter reads {layer_ids}")
-        data += blob["sequences"]
-        infos.append(info)
-    return data, merge_info(infos)
-
-
-def load_dataset(path: Path) -> dict:
-    blob = torch.load(path, weights_only=False)
-    if isinstance(blob, list):  # datasets written before the info header
-        blob = {"sequences": blob, "info": {}}
-    return blob
+def dataset_info(data: list[dict], header: dict, fdim: int) -> dict:
+    """One dataset header for the summary and the card: counts from the data itself,
+    generation settings and totals from the folders' datagen runs."""
+    runs = header.get("runs", [])
+    info = {"sequences": len(data), "tokens": sum(len(d["tokens"]) for d in data),
+            "answer_tokens": sum(len(d["tokens"]) - d["prompt_len"] for d in data),
+            "kinds": {k: sum(d["kind"] == k for d in data) for k in ("code", "chat")},
+            "layer_ids": header.get("layer_ids"), "feature_dim": fdim,
+            "teacher_top_n": header.get("teacher_top_n"), "target": header.get("target"),
+            "runs": len(runs), "commands": [r.get("command") for r in runs if r.get("command")]}
+    for key in ("jobs", "dropped_held_out", "dropped_short", "seconds"):
+        vals = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if vals:
+            info[key] = sum(vals)
+    for key in ("max_new_tokens", "stdlib_fraction", "code_fraction", "engine"):
+        vals = {json.dumps(r[key]) for r in runs if key in r}
+        if len(vals) == 1:
+            info[key] = json.loads(vals.pop())
+    return info
 
 
 def candidate_vocab(data: list[dict], vocab_size: int, size: int) -> tuple[torch.Tensor | None, dict]:
     """Rank answer tokens; coverage is measured on the half of the data the ranking skipped."""
     if size <= 0 or size >= vocab_size:
         return None, {"size": vocab_size}
-    answers = [d["tokens"][d["prompt_len"]:] for d in data]
+    answers = [d["tokens"][d["prompt_len"]:].cpu() for d in data]
     half = len(answers) // 2
     held = coverage(rank_tokens(torch.cat(answers[:half]), vocab_size, size),
                     torch.cat(answers[half:]), vocab_size)
@@ -233,120 +186,62 @@ def feature_scale(data: list[dict], max_rows: int = 200_000) -> torch.Tensor:
         total += rows[-1].shape[0]
         if total >= max_rows:
             break
-    return torch.cat(rows).pow(2).mean(0).sqrt()
+    return torch.cat(rows).pow(2).mean(0).sqrt().cpu()
 
 
-def _lr(args, step: int, frac: float) -> float:
-    warm = 20
-    decay = 1.0 if args.lr_schedule == "constant" else \
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-    return args.lr * min(1.0, (step + 1) / warm) * decay
+def check_args(args, d: Dist) -> list[str]:
+    """Refuse bad flags before loading anything; returns the variants."""
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in ("dflash2", "dflash")]
+    if bad or not variants:
+        raise SystemExit(f"--variants: got {args.variants!r}, expected dflash2 and/or dflash")
+    micro_batches(args.batch_seqs, args.micro_batch_seqs, d.world)
+    for name in ("blocks_per_seq", "ckpt_every", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise SystemExit(f"--max-steps: got {args.max_steps}, expected an integer >= 0")
+    for p in args.data:
+        if not (Path(p) / "manifest.json").is_file():
+            raise SystemExit(f"--data: {p} has no manifest.json; expected a data folder written by "
+                             f"`vllm-dflash2 datagen` (sharded safetensors)")
+    return variants
 
 
-def train_variant(args, variant: str, cfg: DraftConfig, target, data, head: Head, embed, out: Path,
-                  scale: torch.Tensor | None = None) -> dict:
-    """Train one variant until its budget ends; checkpoints allow resuming."""
-    from tqdm.auto import tqdm
-
-    model = DraftModel(cfg)
-    if scale is not None:
-        model.set_feature_scale(scale)
-    if args.init == "target":
-        model.init_from_target(target)
-    else:
-        tnorm = getattr(getattr(target, "model", None), "norm", None)
-        if tnorm is not None and tnorm.weight.shape == model.norm.weight.shape:
-            with torch.no_grad():  # the shared lm_head expects the target's final-norm scale
-                model.norm.weight.copy_(tnorm.weight.float())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    st = {"step": 0, "elapsed": 0.0, "history": []}
-    ck = out / f"ckpt_{variant}.pt"
-    if ck.is_file():
-        saved = torch.load(ck, weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        st = saved["state"]
-        print(f"resumed {variant} at step {st['step']}", flush=True)
-    print(f"{variant}: {param_count(model) / 1e6:.2f}M params", flush=True)
-
-    def save():
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": st}, f"{ck}.tmp")
-        Path(f"{ck}.tmp").replace(ck)
-
-    max_steps = args.max_steps
-    minutes = args.time_budget_min if args.time_budget_min is not None else (None if max_steps else 30.0)
-    budget = math.inf if minutes is None else minutes * 60.0
-    bar = tqdm(desc=f"train {variant}", disable=args.no_progress, mininterval=5, total=max_steps)
-    t_start = time.time() - st["elapsed"]
-    while True:
-        elapsed = time.time() - t_start
-        step = st["step"]
-        if elapsed > budget or (max_steps is not None and step >= max_steps):
-            break
-        # Each batch depends only on the seed and the step: every variant sees the same
-        # batches, and a resumed run the ones an uninterrupted run would have seen.
-        rng = random.Random(f"{args.seed}:{step}")
-        feats, tokens, anchors, teacher = sample_batch(data, rng, args.batch_seqs, args.blocks_per_seq,
-                                                       cfg.block_size, with_teacher=True)
-        teacher = teacher if args.soft_labels else None
-        frac = step / max_steps if max_steps else elapsed / budget
-        lr = _lr(args, step, frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        hidden = model(feats, tokens, anchors, embed)
-        loss, met = block_loss(model, hidden, tokens, anchors, head, args.gamma, teacher)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        st["step"] += 1
-        st["elapsed"] = time.time() - t_start
-        met["loss"] = float(loss.detach())
-        st["history"].append({"step": st["step"], "t": round(st["elapsed"], 1),
-                              **{k: round(x, 4) for k, x in met.items()}})
-        post = {k: f"{met[k]:.3f}" for k in ("loss", "top1", "top1_pos1", "recall", "sel_acc") if k in met}
-        bar.set_postfix(post, refresh=False)
-        bar.update()
-        if args.no_progress and step % 10 == 0:
-            print(f"{variant} step {step + 1} t={elapsed:.0f}s lr={lr:.2e} {post}", flush=True)
-        if st["step"] % args.ckpt_every == 0:
-            save()
-    bar.close()
-    save()
-    return {"model": model, "state": st}
-
-
-def train(args) -> dict:
+def train(args, d: Dist | None = None) -> dict:
+    d = d or Dist()
+    variants = check_args(args, d)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, tok, tpath = load_target(args.target)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in variants if v not in ("dflash2", "dflash")]
-    if bad:
-        raise SystemExit(f"--variants: unknown {bad}; expected dflash2 and/or dflash")
     cfgs = {v: make_config(args, target.config, v) for v in variants}
     layer_ids = cfgs[variants[0]].target_layer_ids
-    embed = target.get_input_embeddings().weight.detach().float()
+    embed = target.get_input_embeddings().weight.detach().float().to(d.device)
+    log = print if d.main else (lambda *a, **k: None)
 
-    if args.data_shards < 1:
-        raise SystemExit(f"--data-shards: got {args.data_shards}, expected an integer >= 1")
-    data, info = load_or_build(args, target, tok, layer_ids, out)
-    print(f"dataset: {len(data)} sequences, {sum(len(d['tokens']) for d in data)} tokens "
-          f"({sum(len(d['tokens']) - d['prompt_len'] for d in data)} answer tokens)", flush=True)
-    vocab, vocab_info = candidate_vocab(data, int(target.config.vocab_size), args.candidate_vocab)
-    head = Head(target.get_output_embeddings().weight.detach().float(), vocab)  # shared lm_head
-    print(f"candidate vocabulary: {json.dumps(vocab_info)}", flush=True)
+    data, info = read_data(args, layer_ids, d.device, len(layer_ids) * int(target.config.hidden_size))
+    log(f"dataset: {len(data)} sequences, {info['tokens']} tokens ({info['answer_tokens']} answer tokens) "
+        f"from {len(args.data)} folder(s); world {d.world} on {d.device.type}", flush=True)
+    vocab_size = int(target.config.vocab_size)
+    vocab, vocab_info = candidate_vocab(data, vocab_size, args.candidate_vocab)
+    d.check_same(vocab, "candidate vocabulary")
+    lm_head = target.get_output_embeddings().weight.detach().float()
+    head = head_to(Head(lm_head, vocab), d.device)  # shared lm_head
+    log(f"candidate vocabulary: {json.dumps(vocab_info)}", flush=True)
+    scale = feature_scale(data)
+    d.check_same(scale, "feature scale")
 
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"variants": {}}
     summary.update(target=Path(tpath).name, dataset=info, candidate_vocab=vocab_info)
     held = held_out_prompts()
-    scale = feature_scale(data)
     for v in variants:
-        res = train_variant(args, v, cfgs[v], target, data, head, embed, out, scale)
-        model, st = res["model"], res["state"]
+        res = train_variant(args, v, cfgs[v], target, data, head, embed, out, scale, d)
+        if not d.main:
+            continue  # rank 0 alone exports, evaluates and writes; the others go on to the next variant
+        model, st = res["model"].cpu(), res["state"]
         export = out / f"export_{v}"
         extra = {"vllm_dflash2_train_step": st["step"]}
         model.save_native(export, extra=extra)
@@ -357,13 +252,18 @@ def train(args) -> dict:
         # Names, not machine paths: the summary is committed next to the shipped drafter.
         entry = {"command": " ".join(["vllm-dflash2 train", *args.argv]), "steps": st["step"],
                  "train_seconds": st["elapsed"], "params": param_count(model),
-                 "final_metrics_avg20": avg}
-        if args.eval_prompts:
-            sel = [p for p in held if p["kind"] == "code"][: args.eval_prompts // 2] + \
-                [p for p in held if p["kind"] == "chat"][: args.eval_prompts // 2]
-            entry["offline_tau"] = estimate_tau(target, tok, model, sel, args.eval_new_tokens, head=head)
-            print(f"{v} offline tau: " + json.dumps({k: round(x["tau"], 3) for k, x in entry["offline_tau"].items()
-                                                      if isinstance(x, dict)}), flush=True)
+                 "final_metrics_avg20": avg, "world": st["world"], "device": d.device.type,
+                 "micro_batch_seqs": st["micro_batch_seqs"]}
+        if args.eval_prompts:  # on the CPU, where the target is
+            code = [p for p in held if p["kind"] == "code"][: args.eval_prompts // 2]
+            chat = [p for p in held if p["kind"] == "chat"][: args.eval_prompts // 2]
+            # alternating: a budget cut keeps both kinds
+            sel = [p for pair in itertools.zip_longest(code, chat) for p in pair if p is not None]
+            budget = None if args.eval_budget_min is None else args.eval_budget_min * 60.0
+            entry["offline_tau"] = estimate_tau(target, tok, model, sel, args.eval_new_tokens,
+                                                head=Head(lm_head.cpu(), vocab), budget_s=budget)
+            log(f"{v} offline tau: " + json.dumps({k: round(x["tau"], 3) for k, x in entry["offline_tau"].items()
+                                                    if isinstance(x, dict)}), flush=True)
         summary["variants"][v] = entry
         (out / f"history_{v}.json").write_text(json.dumps(st["history"]))
         summary_path.write_text(json.dumps(summary, indent=1))
@@ -373,6 +273,7 @@ def train(args) -> dict:
             if vocab is not None:
                 write_vocab(Path(dest), vocab)
             write_card(dest, summary, v)
+    d.barrier()  # the other ranks wait for rank 0's exports before the group closes
     return summary
 
 
@@ -380,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv  # recorded in the summary and the card: how to reproduce the run
-    train(args)
+    d = dist.init()
+    try:
+        train(args, d)
+    finally:
+        dist.close(d)
     return 0
 
 

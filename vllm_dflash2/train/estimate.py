@@ -61,12 +61,19 @@ def speculative_greedy(target, draft: DraftModel, prompt_ids: list[int], max_new
 
 @torch.no_grad()
 def estimate_tau(target, tok, draft: DraftModel, prompts: list[dict], max_new_tokens: int = 256,
-                 head: Head | None = None) -> dict:
-    """Mean acceptance length per prompt kind (and overall) over ``prompts``."""
+                 head: Head | None = None, budget_s: float | None = None) -> dict:
+    """Mean acceptance length per prompt kind (and overall) over ``prompts``.
+
+    ``budget_s``: no prompt starts after this many seconds (a wall-clock plan's share);
+    ``prompts_skipped`` counts those left out."""
     draft.eval()
     res: dict[str, dict] = {}
     t0 = time.time()
+    skipped = 0
     for p in prompts:
+        if budget_s is not None and time.time() - t0 > budget_s:
+            skipped += 1
+            continue
         r = speculative_greedy(target, draft, chat_ids(tok, p["prompt"]), max_new_tokens, tok.eos_token_id,
                                head)
         for key in (p.get("kind", "all"), "all"):
@@ -81,5 +88,6 @@ def estimate_tau(target, tok, draft: DraftModel, prompts: list[dict], max_new_to
         acc["tau"] = acc["generated"] / max(acc["steps"], 1) if acc["steps"] else 1.0
         acc["acceptance_per_pos"] = [a / max(acc["steps"], 1) for a in acc["accepted_per_pos"]]
     res["seconds"] = time.time() - t0
+    res["prompts_skipped"] = skipped
     draft.train()
     return res
