@@ -164,9 +164,12 @@ def check_args(args) -> dict:
               "teacher_top_n": args.teacher_top_n, "jobs": plan}
     old = shards.read_manifest(args.out)
     if old is not None:
-        for key in ("layer_ids", "feature_dim", "teacher_top_n"):
+        given = {"layer_ids": ("target_layer_ids", layer_ids), "feature_dim": ("target", args.target),
+                 "teacher_top_n": ("teacher_top_n", args.teacher_top_n)}
+        for key, (field, value) in given.items():
             if key in old and old[key] != header[key]:
-                bad(key, header[key], f"{old[key]!r} as in the existing data folder {args.out} (or another --out)")
+                bad(field, value, f"{key}={old[key]!r} as in the existing data folder {args.out} "
+                                  f"(or another --out)")
         for key, value in (old.get("jobs") or {}).items():
             if plan.get(key) != value:
                 bad(key, plan.get(key), f"{value!r} to resume {args.out} (its prompts are numbered "
@@ -330,6 +333,8 @@ def run_vllm(args, tok, todo, writer, layer_ids, bar, stats) -> dict:
     if args.handoff == "memory":
         # The connector and this loop must share a process for an in-memory handoff.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # No engine-core process of its own then: its reserved core would idle.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     storage = tempfile.mkdtemp(prefix="dflash2-hs-")
     t0 = time.perf_counter()
     llm = build_llm(args, layer_ids, storage)
@@ -410,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                 "answer": {"temperature": 0.0, "max_tokens": args.max_new_tokens,
                            "logprobs": args.teacher_top_n},
                 "prompt_soft_labels": "ids -1 / logp -inf before the last prompt token"}
-    run = {"command": shlex.join(["vllm-dflash2", "datagen", *argv]), "engine": args.engine,
+    run = {"command": shlex.join(["vllm-dflash2", "datagen", *argv]),
+           "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]], "engine": args.engine,
            "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
            "concurrency": args.concurrency if args.engine == "vllm" else args.batch_size,
            "handoff": args.handoff if args.engine == "vllm" else None, "sampling": sampling,
