@@ -219,3 +219,23 @@ def test_cli_dispatches_datagen(tmp_path, capsys):
 
     assert main(["datagen", "--out", str(tmp_path / "d"), "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens=0: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_hf_engine_resumes_a_lost_chunk_with_its_seed(tiny_target, tmp_path, capsys):
+    """The fallback settles prompts a chunk (= one shard) at a time: a shard lost to a kill
+    is redone with that chunk's seed, the same sequences again, nothing else."""
+    argv = ["--engine", "hf", *map(str, _common(tiny_target, tmp_path / "d"))]
+    assert datagen.main(argv) == 0
+    first = shards.read_shards(tmp_path / "d")[0]
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert len(m["shards"]) == 3 and shards.settled_jobs(tmp_path / "d") == set(range(6))
+    lost = m["shards"].pop()  # killed before the last shard reached the manifest
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(m))
+    assert shards.settled_jobs(tmp_path / "d") == set(range(4))
+    assert datagen.main(argv) == 0
+    assert "4 already done" in capsys.readouterr().err
+    again = shards.read_shards(tmp_path / "d")[0]
+    assert len(again) == len(first) and shards.settled_jobs(tmp_path / "d") == set(range(6))
+    for a, b in zip(first, again):
+        assert a["prompt"] == b["prompt"] and torch.equal(a["tokens"], b["tokens"])
+    assert json.loads((tmp_path / "d" / "manifest.json").read_text())["shards"][-1]["file"] == lost["file"]
