@@ -1,4 +1,4 @@
-"""`vllm-dflash2` command line: check, train, eval, and vLLM's own subcommands.
+"""`vllm-dflash2` command line: check, datagen, train, eval, and vLLM's own subcommands.
 
 ``vllm-dflash2 serve ...`` / ``bench ...`` (any of _VLLM_SUBCOMMANDS) run vLLM's
 CLI unchanged with the same arguments. That is only needed where the plain
@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in _VLLM_SUBCOMMANDS:
         return _vllm(argv)
     commands = {"check": _check}
+    try:
+        from .train.datagen import main as datagen_main
+
+        commands["datagen"] = datagen_main
+    except ModuleNotFoundError:  # training extras not installed
+        pass
     try:
         from .train.cli import main as train_main
 

@@ -19,7 +19,11 @@ Each shard stores its sequences flat (n sequences, T tokens in all)::
     teacher_logp  float16 [T - n, N]   log-probs after each of those tokens (soft labels)
 
 and the prompts' text as JSON in the safetensors metadata (``prompts``), so a resumed
-or grown run never draws a prompt twice and held-out filtering can be audited.
+or grown run never draws a prompt twice and held-out filtering can be audited. Writers
+that number their prompts also store ``jobs`` (the number of each sequence's prompt,
+key ``job`` in memory) and ``settled`` (numbers of prompts dropped since the last shard,
+e.g. held out or too short): ``settled_jobs`` reads them back, so a resumed run skips
+every prompt already done.
 
 A shard is written to a temporary name and renamed, then the manifest is rewritten the
 same way: a killed run loses at most the shard it was filling, and a new run appends
@@ -83,6 +87,7 @@ class ShardWriter:
         self.manifest["runs"].append(self.run)
         self.shard_sequences = shard_sequences
         self.pending: list[dict] = []
+        self.settled: list[int] = []  # prompts dropped since the last shard
 
     @property
     def num_sequences(self) -> int:
@@ -92,6 +97,10 @@ class ShardWriter:
     def answer_tokens(self) -> int:
         done = sum(s["answer_tokens"] for s in self.manifest["shards"])
         return done + sum(len(x["tokens"]) - x["prompt_len"] for x in self.pending)
+
+    def settle(self, job: int) -> None:
+        """Record prompt number ``job`` as done without a sequence (stored with the next shard)."""
+        self.settled.append(int(job))
 
     def add(self, seq: dict) -> None:
         self.pending.append(seq)
@@ -105,6 +114,8 @@ class ShardWriter:
 
         name = f"shard-{len(self.manifest['shards']):05d}.safetensors"
         tensors, meta = pack(self.pending)
+        if self.settled:
+            meta["settled"] = json.dumps(self.settled)
         tmp = self.root / (name + ".tmp")
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, self.root / name)
@@ -121,6 +132,7 @@ class ShardWriter:
             for key in ("sequences", "tokens", "answer_tokens")}
         _atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
         self.pending = []
+        self.settled = []
 
     def close(self, **run_fields) -> None:
         """Flush the last partial shard; ``run_fields`` (seconds, stats) go into the run record."""
@@ -152,12 +164,18 @@ def pack(seqs: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         out["teacher_ids"] = torch.cat([x["teacher_ids"].to(torch.int32) for x in seqs]).contiguous()
         out["teacher_logp"] = torch.cat([x["teacher_logp"].to(torch.float16) for x in seqs]).contiguous()
     meta = {"format": FORMAT, "prompts": json.dumps([x.get("prompt", "") for x in seqs])}
+    jobs = [x.get("job") for x in seqs]
+    if any(j is not None for j in jobs):
+        if any(j is None for j in jobs):
+            raise ValueError("a shard's sequences either all carry a job number or none do")
+        meta["jobs"] = json.dumps([int(j) for j in jobs])
     return out, meta
 
 
 def unpack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> list[dict]:
     """One shard's tensors -> the in-memory sequences (views, no copies)."""
     prompts = json.loads((meta or {}).get("prompts", "[]"))
+    jobs = json.loads((meta or {}).get("jobs", "null"))
     offsets = tensors["offsets"].tolist()
     teacher = "teacher_ids" in tensors
     out = []
@@ -170,6 +188,8 @@ def unpack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None)
         if teacher:
             seq["teacher_ids"] = tensors["teacher_ids"][fa:fb]
             seq["teacher_logp"] = tensors["teacher_logp"][fa:fb]
+        if jobs is not None:
+            seq["job"] = int(jobs[i])
         out.append(seq)
     return out
 
@@ -180,6 +200,21 @@ def shard_files(root: str | Path) -> list[Path]:
     if manifest is None:
         raise FileNotFoundError(f"{root}: no {MANIFEST}; expected a folder written by `vllm-dflash2 datagen`")
     return [Path(root) / s["file"] for s in manifest["shards"]]
+
+
+def settled_jobs(root: str | Path) -> set[int]:
+    """Numbers of the prompts a data folder's complete shards hold or dropped (metadata only)."""
+    from safetensors import safe_open
+
+    if read_manifest(root) is None:
+        return set()
+    done: set[int] = set()
+    for path in shard_files(root):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        done.update(json.loads(meta.get("jobs", "[]")))
+        done.update(json.loads(meta.get("settled", "[]")))
+    return done
 
 
 def read_shard(path: str | Path) -> list[dict]:
