@@ -102,14 +102,14 @@ def main() -> int:
         parser.error(f"--num-speculative-tokens {args.num_speculative_tokens}: expected >= 1")
 
     from vllm_dflash2 import assets
-    from vllm_dflash2.profiling import default_dtype
+    from vllm_dflash2.tools.bench.profiling import default_dtype
 
     dtype = args.dtype or default_dtype()
     target = assets.ensure_target()
     try:
         drafter = assets.default_drafter()
     except FileNotFoundError:
-        from vllm_dflash2.testing import build_tiny_drafter
+        from vllm_dflash2.tools.tiny_models import build_tiny_drafter
 
         drafter = build_tiny_drafter(assets.cache_root() / "random-dflash2-drafter", target)
         print(f"no shipped drafter in this checkout: using a random DFlash2 drafter ({drafter})")

@@ -67,7 +67,7 @@ torch.save(seqs, out)
 def test_vllm_features_and_soft_labels_match_hf_float32(tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from vllm_dflash2.testing import run_in_process_engine
+    from helpers.probes import run_in_process_engine
     from vllm_dflash2.train.data import target_features
 
     out = tmp_path / "seqs.pt"

@@ -5,7 +5,7 @@ prompt file (jsonl with {"prompt", "kind"} or plain text, one prompt a line) or 
 built-in held-out set (``examples/prompts``), greedy and/or temperature 1, and reads
 vLLM's spec-decode counters. Writes JSON and a PNG of per-position acceptance.
 ``--offline`` instead uses the pure-torch estimator of ``vllm_dflash2.train.estimate``.
-Entry point: ``vllm_dflash2.evaluate:main``.
+Entry point: ``vllm_dflash2.tools.evaluate:main``.
 """
 
 from __future__ import annotations
