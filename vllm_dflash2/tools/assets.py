@@ -119,7 +119,7 @@ def ensure_target(out_dir: Path | None = None, gguf: Path | None = None) -> Path
 
 
 def drafters_dir() -> Path:
-    return Path(__file__).resolve().parent / "drafters"
+    return Path(__file__).resolve().parents[1] / "drafters"  # shipped in the package
 
 
 def default_drafter() -> Path:
