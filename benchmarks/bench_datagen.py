@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,13 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def children_cpu_seconds() -> float:
+    """CPU seconds of every finished child so far: on a shared machine the per-token CPU
+    cost moves less with other users' load than the wall-clock rate does."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -99,9 +107,10 @@ def run_datagen(engine: str, out: Path, args) -> dict:
         cmd += ["--target", args.target]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
-    load0 = loadavg()
+    load0, cpu0 = loadavg(), children_cpu_seconds()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    cpu = children_cpu_seconds() - cpu0
     if proc.returncode != 0:
         raise SystemExit(f"datagen --engine {engine} failed:\n{proc.stderr[-4000:]}")
     run = json.loads((out / "manifest.json").read_text())["runs"][-1]
@@ -110,6 +119,7 @@ def run_datagen(engine: str, out: Path, args) -> dict:
             "answer_tokens_per_s": round(run["answer_tokens"] / run["generate_seconds"], 2),
             "wall_seconds": round(time.perf_counter() - t0, 2), "dropped_short": run["dropped_short"],
             "dropped_held_out": run["dropped_held_out"], "loadavg_before": load0, "loadavg_after": loadavg(),
+            "cpu_seconds_whole_child": round(cpu, 1),
             "command": run["command"]}
 
 
@@ -122,14 +132,15 @@ def run_answers(capture: bool, data: Path, args, layer_ids: list[int], tmp: Path
             "max_new_tokens": args.max_new_tokens, "min_answer_tokens": 0, "layer_ids": layer_ids}
     out = tmp / f"answers{int(capture)}.json"
     env = dict(_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    load0 = loadavg()
+    load0, cpu0 = loadavg(), children_cpu_seconds()
     proc = subprocess.run([sys.executable, "-c", _ANSWER_CHILD, "1" if capture else "0", str(data),
                            json.dumps(conf), str(out)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"answer child (capture={capture}) failed:\n{proc.stderr[-4000:]}")
     res = json.loads(out.read_text())
     res.update(capture=capture, answer_tokens_per_s=round(res["answer_tokens"] / res["generate_seconds"], 2),
-               loadavg_before=load0, loadavg_after=loadavg())
+               loadavg_before=load0, loadavg_after=loadavg(),
+               cpu_seconds_whole_child=round(children_cpu_seconds() - cpu0, 1))
     return res
 
 
