@@ -105,8 +105,7 @@ def run_datagen(engine: str, out: Path, args) -> dict:
            "--max-model-len", str(args.max_model_len), "--no-progress"]
     if args.target:
         cmd += ["--target", args.target]
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
+    cmd.append("--enforce-eager" if args.enforce_eager else "--compile")
     load0, cpu0 = loadavg(), children_cpu_seconds()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
@@ -155,7 +154,8 @@ def main() -> int:
     p.add_argument("--teacher-top-n", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--target", default=None)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compile", dest="enforce_eager", action="store_false",
+                   help="compiled vLLM graphs (default: eager, as datagen)")
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--capture-cost", action="store_true", help="also plain vLLM vs vLLM with capture")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "datagen_cpu.json"))
