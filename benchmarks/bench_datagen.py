@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,13 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def children_cpu_seconds() -> float:
+    """CPU seconds of every finished child so far: on a shared machine the per-token CPU
+    cost moves less with other users' load than the wall-clock rate does."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -97,11 +105,11 @@ def run_datagen(engine: str, out: Path, args) -> dict:
            "--max-model-len", str(args.max_model_len), "--no-progress"]
     if args.target:
         cmd += ["--target", args.target]
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    load0 = loadavg()
+    cmd.append("--enforce-eager" if args.enforce_eager else "--compile")
+    load0, cpu0 = loadavg(), children_cpu_seconds()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    cpu = children_cpu_seconds() - cpu0
     if proc.returncode != 0:
         raise SystemExit(f"datagen --engine {engine} failed:\n{proc.stderr[-4000:]}")
     run = json.loads((out / "manifest.json").read_text())["runs"][-1]
@@ -110,6 +118,7 @@ def run_datagen(engine: str, out: Path, args) -> dict:
             "answer_tokens_per_s": round(run["answer_tokens"] / run["generate_seconds"], 2),
             "wall_seconds": round(time.perf_counter() - t0, 2), "dropped_short": run["dropped_short"],
             "dropped_held_out": run["dropped_held_out"], "loadavg_before": load0, "loadavg_after": loadavg(),
+            "cpu_seconds_whole_child": round(cpu, 1),
             "command": run["command"]}
 
 
@@ -122,14 +131,15 @@ def run_answers(capture: bool, data: Path, args, layer_ids: list[int], tmp: Path
             "max_new_tokens": args.max_new_tokens, "min_answer_tokens": 0, "layer_ids": layer_ids}
     out = tmp / f"answers{int(capture)}.json"
     env = dict(_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    load0 = loadavg()
+    load0, cpu0 = loadavg(), children_cpu_seconds()
     proc = subprocess.run([sys.executable, "-c", _ANSWER_CHILD, "1" if capture else "0", str(data),
                            json.dumps(conf), str(out)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"answer child (capture={capture}) failed:\n{proc.stderr[-4000:]}")
     res = json.loads(out.read_text())
     res.update(capture=capture, answer_tokens_per_s=round(res["answer_tokens"] / res["generate_seconds"], 2),
-               loadavg_before=load0, loadavg_after=loadavg())
+               loadavg_before=load0, loadavg_after=loadavg(),
+               cpu_seconds_whole_child=round(children_cpu_seconds() - cpu0, 1))
     return res
 
 
@@ -144,7 +154,8 @@ def main() -> int:
     p.add_argument("--teacher-top-n", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--target", default=None)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compile", dest="enforce_eager", action="store_false",
+                   help="compiled vLLM graphs (default: eager, as datagen)")
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--capture-cost", action="store_true", help="also plain vLLM vs vLLM with capture")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "datagen_cpu.json"))
