@@ -119,7 +119,8 @@ def run_datagen(engine: str, out: Path, args) -> dict:
             "wall_seconds": round(time.perf_counter() - t0, 2), "dropped_short": run["dropped_short"],
             "dropped_held_out": run["dropped_held_out"], "loadavg_before": load0, "loadavg_after": loadavg(),
             "cpu_seconds_whole_child": round(cpu, 1),
-            "command": run["command"]}
+            # The data folder is a temporary one: record its role, not this machine's path.
+            "command": run["command"].replace(str(out), f"<tmp>/{engine}")}
 
 
 def run_answers(capture: bool, data: Path, args, layer_ids: list[int], tmp: Path) -> dict:
