@@ -12,9 +12,23 @@ from vllm_dflash2.drafter_format import CANDIDATE_VOCAB_KEY
 from vllm_dflash2.train.vocab import write
 
 
+def _run(target, prompts, sp, probe_fn, spec):
+    """Greedy outputs of one float32 engine (speculative when ``spec``), and what
+    ``probe_fn`` reads off its worker."""
+    from vllm import LLM
+
+    llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512,
+              gpu_memory_utilization=0.5, seed=0, speculative_config=spec)
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    probe = llm.collective_rpc(probe_fn)[0] if probe_fn else None
+    del llm
+    gc.collect()
+    return outs, probe
+
+
 @pytest.mark.e2e
 def test_engine_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     drafter = probes.build_tiny_drafter(tmp_path / "drafter", tiny_target)
@@ -27,17 +41,9 @@ def test_engine_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
                for n in (2, 19, 77)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
-    def run(spec):
-        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
-                  gpu_memory_utilization=0.5, seed=0, speculative_config=spec)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-        probe = llm.collective_rpc(probes.probe_candidate_vocab)[0] if spec else None
-        del llm
-        gc.collect()
-        return outs, probe
-
-    base, _ = run(None)
-    spec, probe = run({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
+    base, _ = _run(tiny_target, prompts, sp, None, None)
+    spec, probe = _run(tiny_target, prompts, sp, probes.probe_candidate_vocab,
+                       {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
     assert spec == base  # verification stays lossless
     assert torch.equal(probe["vocab"], subset)
     assert set(probe["ids"].flatten().tolist()) <= set(subset.tolist())
@@ -49,7 +55,7 @@ def test_engine_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
 def test_plain_dflash_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
     """Plain DFlash (v1) drafts honour a candidate vocabulary too (what `vllm-dflash2
     train --variants dflash` exports): -inf logits outside it, the lm_head's inside."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     drafter = probes.plain_dflash_drafter(tmp_path / "v1", tiny_target)
@@ -60,17 +66,9 @@ def test_plain_dflash_drafts_from_the_candidate_vocab(tiny_target, tmp_path):
                for n in (3, 40)]
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
-    def run(spec):
-        llm = LLM(model=str(tiny_target), dtype="float32", enforce_eager=True, max_model_len=512,
-                  gpu_memory_utilization=0.5, seed=0, speculative_config=spec)
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-        probe = llm.collective_rpc(probes.probe_dflash_logits)[0] if spec else None
-        del llm
-        gc.collect()
-        return outs, probe
-
-    base, _ = run(None)
-    spec, probe = run({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 5})
+    base, _ = _run(tiny_target, prompts, sp, None, None)
+    spec, probe = _run(tiny_target, prompts, sp, probes.probe_dflash_logits,
+                       {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 5})
     assert spec == base
     assert torch.equal(probe["vocab"], subset)
     outside = torch.ones(384, dtype=torch.bool)
