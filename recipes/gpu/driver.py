@@ -347,7 +347,7 @@ def cmd_run(args, extra: list[str]) -> int:
 
     from vllm_dflash2.tools.assets import DEFAULT_DRAFTER
     from vllm_dflash2.train import cli
-    from vllm_dflash2.train.cli import default_layer_ids
+    from vllm_dflash2.train.data import default_layer_ids
 
     torch.set_num_threads(args.threads)  # oversubscribed OpenMP threads crawl on a busy machine
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

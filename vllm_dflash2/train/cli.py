@@ -25,10 +25,10 @@ import torch
 
 from . import dist
 from .card import write_card
-from .data import held_out_prompts
+from .data import default_layer_ids, held_out_prompts
 from .dist import Dist
 from .estimate import estimate_tau
-from .loop import head_to, micro_batches, sample_batch, train_variant  # noqa: F401  (sample_batch: API)
+from .loop import head_to, micro_batches, train_variant
 from .model import DraftConfig, Head, param_count
 from .vocab import coverage, rank_tokens, write as write_vocab
 
@@ -80,10 +80,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dflash", default=None, help="copy the plain DFlash export here at the end")
     p.add_argument("--no-progress", action="store_true")
     return p
-
-
-def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
 
 
 def load_target(path: str | None):

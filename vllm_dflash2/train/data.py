@@ -62,6 +62,12 @@ def _clean(doc: str, limit: int = 300) -> str:
     return doc[:limit]
 
 
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """The target layers tapped unless told otherwise: ``n`` spread from layer 1 to the
+    second-to-last (datagen captures them, training reads them)."""
+    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
+
+
 def held_out_prompts(root: Path | None = None) -> list[dict]:
     """The held-out eval prompts shipped in ``examples/prompts`` (code + chat)."""
     root = root or Path(__file__).resolve().parents[2] / "examples" / "prompts"

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from . import shards
-from .data import Job, held_out_prompts, make_jobs, resembles, user_turn_parts
+from .data import Job, default_layer_ids, held_out_prompts, make_jobs, resembles, user_turn_parts
 
 CONNECTOR = "DFlash2HiddenStatesConnector"
 CONNECTOR_MODULE = "vllm_dflash2.train.hidden_states_connector"
@@ -56,11 +56,6 @@ def _vllm_importable() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
-
-
-def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    # The training default (train/cli.py), repeated here so datagen needs no training code.
-    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
 
 
 def job_seed(seed: int, job: int) -> int:
