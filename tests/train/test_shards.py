@@ -56,6 +56,23 @@ def test_round_trip_and_resume(tmp_path):
     assert header["totals"]["sequences"] == 7
 
 
+def test_mapped_features_equal_read_ones(tmp_path):
+    seqs = [_seq(i, n=6 + i) for i in range(5)]
+    w = shards.ShardWriter(tmp_path, HEADER, shard_sequences=2)
+    for s in seqs:
+        w.add(s)
+    w.close()
+    mapped, _ = shards.read_shards(tmp_path, mmap=True)
+    assert len(mapped) == 5
+    for a, b in zip(seqs, mapped):
+        _same(a, b)
+        assert b["feats"].dtype == torch.bfloat16
+    # A mapped shard is copy-on-write: writing into a batch never changes the file.
+    mapped[0]["feats"].zero_()
+    for a, b in zip(seqs, shards.read_shards(tmp_path)[0]):
+        _same(a, b)
+
+
 def test_ranks_read_disjoint_shards(tmp_path):
     w = shards.ShardWriter(tmp_path, HEADER, shard_sequences=2)
     for i in range(6):

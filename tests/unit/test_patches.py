@@ -314,8 +314,20 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
         if temperature == 0:
             assert torch.equal(got.sampled_token_ids[:, 0].long(), logits.argmax(-1))
 
-    # Logprobs asked for: upstream's code builds them.
-    out = forward(sampler, no_drafts, None, logits.clone(), _sampling(batch, 1.0, seeds, 0))
+    # Raw top-N logprobs asked for (datagen's soft labels): the same tokens and the same
+    # logprobs, ids and ranks as upstream's _get_logprobs_tensors, without rejection.
+    for temperature in (0.0, 1.0):
+        got = forward(sampler, no_drafts, None, logits.clone(), _sampling(batch, temperature, seeds, 4))
+        assert not draws
+        want = original(sampler, no_drafts, None, logits.clone(), _sampling(batch, temperature, seeds, 4))
+        draws.clear()
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+        for a, b in zip(got.logprobs_tensors, want.logprobs_tensors):
+            assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b))
+    # Processed logprobs: upstream's code builds them.
+    processed = rs_mod.RejectionSampler(Sampler(logprobs_mode="processed_logprobs"))
+    processed.dflash_engine = True
+    out = forward(processed, no_drafts, None, logits.clone(), _sampling(batch, 1.0, seeds, 0))
     assert draws and out.logprobs_tensors is not None
     draws.clear()
     # A step with drafts: upstream's code, same tokens.

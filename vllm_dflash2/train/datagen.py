@@ -40,10 +40,11 @@ from pathlib import Path
 
 import torch
 
+from ..patches import HIDDEN_STATES_CONNECTOR
 from . import shards
 from .data import Job, default_layer_ids, held_out_prompts, make_jobs, resembles, user_turn_parts
 
-CONNECTOR = "DFlash2HiddenStatesConnector"
+CONNECTOR = HIDDEN_STATES_CONNECTOR  # its engines draft nothing (patches.py)
 CONNECTOR_MODULE = "vllm_dflash2.train.hidden_states_connector"
 DTYPES = ("bfloat16", "float16", "float32")
 
