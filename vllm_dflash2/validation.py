@@ -204,13 +204,14 @@ def _layout_problems(raw: dict, spec: DrafterSpec, runner: str | None) -> list[P
     captured = aux_layers_captured(cfg)
     wanted = [i + 1 for i in spec.target_layer_ids]
     if spec.target_layer_ids and captured != wanted:
-        field = ("eagle_config.eagle_aux_hidden_state_layer_ids"
-                 if isinstance(cfg.get("eagle_config"), dict)
-                 else "eagle_aux_hidden_state_layer_ids")
+        if cfg.get("eagle_aux_hidden_state_layer_ids"):
+            field, absent = "eagle_aux_hidden_state_layer_ids", " or absent"
+        else:  # an eagle_config dict replaces the DFlash ids on the V1 runner, even with none
+            field, absent = "eagle_config.eagle_aux_hidden_state_layer_ids", ""
         out.append(Problem(
             field, captured,
-            f"{wanted} (target_layer_ids + 1) or absent: vLLM captures these target layers, "
-            "the drafter was built for target_layer_ids",
+            f"{wanted} (target_layer_ids + 1){absent}: vLLM would capture these target "
+            "layers instead of the ones the drafter was built for",
         ))
     return out
 

@@ -245,3 +245,18 @@ def test_effective_config_matches_vllm_draft_config(tmp_path, tiny_target, tiny_
 
         assert ([(a.window, a.causal) for a in layer_attention(ours, n)]
                 == [_resolve_layer_attention(hf, i) for i in range(n)]), drafter.name
+
+
+def test_eagle_config_without_ids_is_refused(tmp_path, tiny_target, tiny_drafter):
+    """An eagle_config dict without ids makes the V1 runner drop target_layer_ids (the
+    'eagle-config-no-ids' row above): the drafter would get the target's default layers."""
+    path = tmp_path / "eagle"
+    shutil.copytree(tiny_drafter, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["eagle_config"] = {"use_aux_hidden_state": True}
+    (path / "config.json").write_text(json.dumps(raw))
+    ids = [i + 1 for i in raw["dflash_config"]["target_layer_ids"]]
+    [problem] = validate_drafter(path, target_spec_from_dir(tiny_target), 7)
+    assert str(problem).startswith(
+        f"eagle_config.eagle_aux_hidden_state_layer_ids=None: expected {ids!r} "
+        "(target_layer_ids + 1): vLLM would capture"), str(problem)
