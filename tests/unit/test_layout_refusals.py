@@ -101,7 +101,8 @@ def _native(n=3, **fields):
 # (id, native config.json): every layout family the matrix names, and the traps.
 LAYOUTS = [
     ("plain-full", _native(layer_types=[F] * 3)),
-    ("use-swa", _native(layer_types=[F] * 3, dflash_config={"use_swa": True, "swa_window_size": 64})),
+    ("use-swa", _native(layer_types=[F] * 3,
+                        dflash_config={"use_swa": True, "swa_window_size": 64})),
     ("use-swa-no-window", _native(layer_types=[F] * 3, dflash_config={"use_swa": True})),
     ("all-sliding-causal", _native(layer_types=[S] * 3, sliding_window=64,
                                    use_sliding_window=True, is_causal="drop")),

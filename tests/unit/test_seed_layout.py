@@ -89,10 +89,13 @@ def seed_tensors() -> dict[str, tuple[int, ...]]:
               p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
               p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
               p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-              p + "self_attn.q_norm.weight": (HEAD_DIM,), p + "self_attn.k_norm.weight": (HEAD_DIM,),
-              p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
+              p + "self_attn.q_norm.weight": (HEAD_DIM,),
+              p + "self_attn.k_norm.weight": (HEAD_DIM,),
+              p + "mlp.gate_proj.weight": (INTER, HIDDEN),
+              p + "mlp.up_proj.weight": (INTER, HIDDEN),
               p + "mlp.down_proj.weight": (HIDDEN, INTER),
-              p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,)}
+              p + "input_layernorm.weight": (HIDDEN,),
+              p + "post_attention_layernorm.weight": (HIDDEN,)}
         for conv in ("attention_conv", "mlp_conv"):
             t |= {p + f"{conv}.base_kernel": (2, TAPS, HIDDEN),
                   p + f"{conv}.kernel_projection.weight": (2 * TAPS * g, HIDDEN)}
@@ -116,7 +119,8 @@ def write_sparse_safetensors(path, shapes: dict[str, tuple[int, ...]], dtype="BF
 def write_seed(dir_, config=None, tensors=None):
     dir_.mkdir(parents=True, exist_ok=True)
     (dir_ / "config.json").write_text(json.dumps(SEED_CONFIG if config is None else config))
-    write_sparse_safetensors(dir_ / "model.safetensors", seed_tensors() if tensors is None else tensors)
+    write_sparse_safetensors(dir_ / "model.safetensors",
+                             seed_tensors() if tensors is None else tensors)
     return dir_
 
 
