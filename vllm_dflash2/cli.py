@@ -23,6 +23,11 @@ def _check(argv: list[str]) -> int:
         "--num-speculative-tokens", type=int, default=None,
         help="K you will serve with (default: block_size - 1)",
     )
+    parser.add_argument(
+        "--runner", choices=("v1", "v2"), default="v1",
+        help="vLLM model runner you will serve on (default v1: the CPU backend always, "
+        "this plugin's DFlash2 path); v2 lifts the V1-only layout limits",
+    )
     args = parser.parse_args(argv)
     from .validation import target_spec_from_dir, validate_drafter
 
@@ -31,14 +36,56 @@ def _check(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"target={args.target!r}: expected an HF model folder with config.json ({exc})")
         return 2
-    problems = validate_drafter(args.drafter, target, args.num_speculative_tokens)
+    problems = validate_drafter(args.drafter, target, args.num_speculative_tokens, args.runner)
     if problems:
         print(f"DFlash2 drafter {args.drafter} is not usable with target {args.target}:")
         for problem in problems:
             print(f"  - {problem}")
         return 1
-    print(f"ok: {args.drafter} is a valid DFlash2 drafter for {args.target}")
+    print(f"ok: {args.drafter} is a valid DFlash2 drafter for {args.target} "
+          f"on the {args.runner.upper()} runner")
+    for line in _summary(args.drafter, target):
+        print(f"  {line}")
     return 0
+
+
+def _summary(drafter: str, target) -> list[str]:
+    """What vLLM will build from a valid drafter: the aux layers it captures, the layout."""
+    import json
+    from pathlib import Path
+
+    from .drafter_format import load_drafter_spec
+    from .drafter_layout import aux_layers_captured, effective_config, layer_attention
+
+    spec = load_drafter_spec(Path(drafter))
+    cfg = effective_config(json.loads((Path(drafter) / "config.json").read_text()))
+    aux = aux_layers_captured(cfg) or []
+    width = f"{len(aux)} x {target.hidden_size}"
+    if target.hc_mult:
+        width += f" (the target's {target.hc_mult} mHC streams contracted to hidden_size)"
+    layers = [
+        f"{a.kind}" + (f" window {a.window}" if a.window is not None else "")
+        + (", causal" if a.causal else ", non-causal")
+        for a in layer_attention(cfg, spec.num_layers)
+    ]
+    runs = [f"{n} x {k}" for k, n in _runs(layers)]
+    return [
+        f"target: {target.num_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.vocab_size}",
+        f"aux hidden states vLLM captures: {aux} (outputs of target layers "
+        f"{[a - 1 for a in aux]}), fc input {width}",
+        f"draft layers: {'; '.join(runs)}",
+    ]
+
+
+def _runs(items: list[str]) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for item in items:
+        if out and out[-1][0] == item:
+            out[-1] = (item, out[-1][1] + 1)
+        else:
+            out.append((item, 1))
+    return out
 
 
 _VLLM_SUBCOMMANDS = ("serve", "bench", "run-batch", "chat", "complete", "collect-env")

@@ -48,6 +48,9 @@ class DrafterSpec:
     has_own_embeddings: bool
     has_d2t: bool
     fmt: str  # "native" or "speculators"
+    # dflash_config.attention_sink_bias (or MiMo's add_swa_attention_sink_bias): one
+    # learned sink logit per head, ``layers.i.self_attn.attention_sink_bias`` [num_heads].
+    attention_sink_bias: bool = False
 
     @property
     def is_dflash2(self) -> bool:
@@ -111,6 +114,8 @@ def spec_from_config(config: dict, weight_names: set[str] | None = None) -> Draf
         has_own_embeddings="embed_tokens.weight" in names,
         has_d2t="d2t" in names,
         fmt=fmt,
+        attention_sink_bias=bool((dc or {}).get(
+            "attention_sink_bias", layer.get("add_swa_attention_sink_bias", False))),
     )
 
 
@@ -199,6 +204,8 @@ def expected_tensor_shapes(spec: DrafterSpec, target_hidden_size: int,
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         })
+        if spec.attention_sink_bias:
+            shapes[p + "self_attn.attention_sink_bias"] = (nh,)
         if spec.is_dflash2:
             taps, groups = spec.conv_kernel_size, h // spec.conv_group_size
             for conv in ("attention_conv", "mlp_conv"):
@@ -211,6 +218,16 @@ def expected_tensor_shapes(spec: DrafterSpec, target_hidden_size: int,
             "candidate_selector.hidden_projection.weight": (spec.selector_rank, h),
         })
     return shapes
+
+
+def optional_tensor_shapes(spec: DrafterSpec) -> dict[str, tuple[int, ...]]:
+    """Tensors a checkpoint may carry (absent: shared with the target / identity map) and
+    the shape vLLM's loader needs when present."""
+    return {
+        "embed_tokens.weight": (spec.vocab_size, spec.hidden_size),
+        "lm_head.weight": (spec.draft_vocab_size, spec.hidden_size),
+        "d2t": (spec.draft_vocab_size,),
+    }
 
 
 # -- safetensors headers ----------------------------------------------------------

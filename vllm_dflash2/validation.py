@@ -20,8 +20,19 @@ from .drafter_format import (
     expected_tensor_shapes,
     load_candidate_vocab,
     load_drafter_spec,
+    optional_tensor_shapes,
     read_safetensors_header,
 )
+from .drafter_layout import (
+    FULL,
+    SLIDING,
+    aux_layers_captured,
+    effective_config,
+    is_mixed,
+    layer_attention,
+)
+
+V1, V2 = "v1", "v2"  # vLLM's model runners
 
 
 @dataclass(frozen=True)
@@ -46,13 +57,28 @@ class TargetSpec:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    # mHC residual streams (GLM-5.3 ``hc_mult``): vLLM contracts them back to hidden_size
+    # before handing out aux hidden states, so the drafter sees hidden_size wide features.
+    hc_mult: int | None = None
+
+
+_TARGET_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
 def target_spec_from_dir(path: str | os.PathLike) -> TargetSpec:
+    """The target's text-model shape, as vLLM reads it (``hf_text_config``)."""
     config = json.loads((Path(path) / "config.json").read_text())
-    config = config.get("text_config", config)
+    config = config.get("text_config") or config
+    if any(config.get(k) is None for k in _TARGET_FIELDS):
+        # Fields left to the config class's defaults (GLM-5.3 configs omit some):
+        # let transformers fill them in, as it does for vLLM.
+        from transformers import AutoConfig
+
+        auto = AutoConfig.from_pretrained(str(path)).get_text_config()
+        config = {k: getattr(auto, k, None) for k in (*_TARGET_FIELDS, "hc_mult")}
+    hc_mult = config.get("hc_mult")
     return TargetSpec(
-        int(config["num_hidden_layers"]), int(config["hidden_size"]), int(config["vocab_size"])
+        *(int(config[k]) for k in _TARGET_FIELDS), int(hc_mult) if hc_mult else None
     )
 
 
@@ -90,8 +116,11 @@ def _config_problems(
             ))
             break
     if spec.target_hidden_size is not None and spec.target_hidden_size != target.hidden_size:
+        widened = target.hc_mult and spec.target_hidden_size == target.hc_mult * target.hidden_size
         out.append(Problem(
             "target_hidden_size", spec.target_hidden_size, f"{target.hidden_size} (the target's)"
+            + (f"; vLLM contracts the target's {target.hc_mult} mHC residual streams to "
+               "hidden_size before handing out aux hidden states" if widened else ""),
         ))
     if spec.hidden_size != target.hidden_size and not spec.has_own_embeddings:
         out.append(Problem(
@@ -132,6 +161,61 @@ def _config_problems(
     return out
 
 
+def _layout_problems(raw: dict, spec: DrafterSpec, runner: str | None) -> list[Problem]:
+    """Draft attention layout and aux layers, as vLLM will build them from ``raw``."""
+    out: list[Problem] = []
+    cfg = effective_config(raw)
+    where = "transformer_layer_config." if spec.fmt == "speculators" else ""
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != spec.num_layers:
+            return [Problem(f"{where}layer_types", types,
+                            f"a list of {spec.num_layers} entries (num_hidden_layers)")]
+        unknown = sorted({t for t in types if t not in (SLIDING, FULL)}, key=str)
+        if unknown:
+            return [Problem(f"{where}layer_types", types,
+                            f"entries {SLIDING!r} or {FULL!r}, not {unknown}")]
+    if is_mixed(cfg):
+        if runner == V1:
+            out.append(Problem(
+                f"{where}layer_types", types,
+                f"all {SLIDING!r} or all {FULL!r} on vLLM's V1 model runner, which serves one "
+                "KV-cache group per draft (a mixed layout needs one per kind); serve this "
+                "drafter on the V2 model runner (a GPU with Triton, VLLM_USE_V2_MODEL_RUNNER=1)",
+            ))
+    for i, layer in enumerate(layer_attention(cfg, spec.num_layers)):
+        window = layer.window
+        if layer.kind == SLIDING and (
+            isinstance(window, bool) or not isinstance(window, int) or window <= 0
+        ):
+            if window is None and spec.fmt == "native" and raw.get("sliding_window") is not None:
+                # transformers' Qwen3Config drops sliding_window unless use_sliding_window.
+                out.append(Problem(
+                    "use_sliding_window", raw.get("use_sliding_window"),
+                    f"true (or dflash_config.swa_window_size set): layer {i} is {SLIDING} and "
+                    f"sliding_window={raw['sliding_window']} counts only with use_sliding_window",
+                ))
+            else:
+                field = ("dflash_config.swa_window_size"
+                         if "swa_window_size" in (cfg.get("dflash_config") or {})
+                         else f"{where}sliding_window")
+                out.append(Problem(field, window, f"a positive window (layer {i} is {SLIDING})"))
+            break
+    captured = aux_layers_captured(cfg)
+    wanted = [i + 1 for i in spec.target_layer_ids]
+    if spec.target_layer_ids and captured != wanted:
+        if cfg.get("eagle_aux_hidden_state_layer_ids"):
+            field, absent = "eagle_aux_hidden_state_layer_ids", " or absent"
+        else:  # an eagle_config dict replaces the DFlash ids on the V1 runner, even with none
+            field, absent = "eagle_config.eagle_aux_hidden_state_layer_ids", ""
+        out.append(Problem(
+            field, captured,
+            f"{wanted} (target_layer_ids + 1){absent}: vLLM would capture these target "
+            "layers instead of the ones the drafter was built for",
+        ))
+    return out
+
+
 def _candidate_vocab_problems(path: Path) -> list[Problem]:
     from types import SimpleNamespace
 
@@ -148,8 +232,10 @@ def validate_drafter(
     drafter: str | os.PathLike,
     target: TargetSpec,
     num_speculative_tokens: int | None = None,
+    runner: str | None = V1,
 ) -> list[Problem]:
-    """All problems of ``drafter`` against ``target``; empty when usable."""
+    """All problems of ``drafter`` against ``target`` on vLLM's ``runner`` (V1, V2 or
+    None: not known yet, runner-specific limits unchecked); empty when usable."""
     path = Path(drafter)
     if not (path / "config.json").is_file():
         return [Problem("model", str(drafter), "a local drafter directory with config.json")]
@@ -158,6 +244,7 @@ def validate_drafter(
     except ValueError as exc:
         return [Problem("config.json", str(path / "config.json"), f"a DFlash2 drafter config ({exc})")]
     problems = _config_problems(spec, target, num_speculative_tokens)
+    problems += _layout_problems(json.loads((path / "config.json").read_text()), spec, runner)
     problems += _candidate_vocab_problems(path)
     shapes, file_problems = tensor_shapes(path)
     problems += file_problems
@@ -169,15 +256,18 @@ def validate_drafter(
             problems.append(Problem(f"tensor {name}", None, f"present with shape {list(want)}"))
         elif got != want:
             problems.append(Problem(f"tensor {name}", list(got), f"shape {list(want)}"))
-    if spec.has_d2t and shapes.get("d2t") not in (None, (spec.draft_vocab_size,)):
-        problems.append(Problem("tensor d2t", list(shapes["d2t"]), f"shape [{spec.draft_vocab_size}]"))
+    for name, want in optional_tensor_shapes(spec).items():
+        got = shapes.get(name)
+        if got is not None and got != want:
+            problems.append(Problem(f"tensor {name}", list(got), f"shape {list(want)} or absent"))
     return problems
 
 
 def check_or_raise(
-    drafter: str | os.PathLike, target: TargetSpec, num_speculative_tokens: int | None
+    drafter: str | os.PathLike, target: TargetSpec, num_speculative_tokens: int | None,
+    runner: str | None = V1,
 ) -> None:
-    problems = validate_drafter(drafter, target, num_speculative_tokens)
+    problems = validate_drafter(drafter, target, num_speculative_tokens, runner)
     if problems:
         raise DrafterValidationError(str(drafter), problems)
 
@@ -211,7 +301,21 @@ def validate_engine_args(args) -> None:
         return
     if not (Path(args.model) / "config.json").is_file():
         return  # hub id or GGUF file: judged after vLLM resolved the target
-    check_or_raise(drafter, target_spec_from_dir(args.model), spec_cfg.get("num_speculative_tokens"))
+    check_or_raise(drafter, target_spec_from_dir(args.model),
+                   spec_cfg.get("num_speculative_tokens"), _runner_before_config())
+
+
+def _runner_before_config() -> str | None:
+    """V1 where vLLM will certainly pick it (``VllmConfig.use_v2_model_runner``: V2 needs
+    Triton, and VLLM_USE_V2_MODEL_RUNNER decides when set); None where only the finished
+    config can tell."""
+    import vllm.envs as vllm_envs
+    from vllm.triton_utils import HAS_TRITON
+
+    chosen = vllm_envs.VLLM_USE_V2_MODEL_RUNNER
+    if chosen is not None:
+        return V2 if chosen else V1
+    return None if HAS_TRITON else V1
 
 
 def validate_engine_config(config) -> None:
@@ -227,5 +331,7 @@ def validate_engine_config(config) -> None:
         model_config.get_total_num_hidden_layers(),
         model_config.get_hidden_size(),
         model_config.get_vocab_size(),
+        getattr(model_config.hf_text_config, "hc_mult", None),
     )
-    check_or_raise(draft.model, target, spec.num_speculative_tokens)
+    check_or_raise(draft.model, target, spec.num_speculative_tokens,
+                   V2 if config.use_v2_model_runner else V1)
