@@ -91,6 +91,11 @@ def runs(tiny_target, tmp_path_factory):
     # Adaptive speculation and the deferred context (both on by default on CPU), with a
     # batch that samples at T = 1 beside a greedy one.
     assert llm.collective_rpc(probes.set_adaptive, args=(True,)) == [True, True]
+    # Rank 1's own timing would find plain decoding dear (and so draft where rank 0,
+    # whose drafts are rarely accepted, does not): it must still draft rank 0's k. Without
+    # the proposer's agreement the ranks' collectives pair up wrongly: seen, rank 1 read
+    # garbage candidate ids from an all-gather and rank 0 hung (so does this test then).
+    assert llm.collective_rpc(probes.slow_plain_steps_on_rank, args=(1, 0.5)) == [False, True]
     llm.collective_rpc(probes.record_drafts)
     prompts = _prompts()
     sps = [SamplingParams(temperature=1.0 if i % 2 else 0.0, max_tokens=24 + i, ignore_eos=True)

@@ -294,3 +294,25 @@ def adaptive_steps(worker) -> list[int]:
     """The k each recorded adaptive step drafted (``VLLM_DFLASH2_STEP_RECORD``)."""
     adaptive = worker.model_runner.drafter.adaptive
     return [r["k"] for r in adaptive.step_record] if adaptive is not None else []
+
+
+def slow_plain_steps_on_rank(worker, rank: int, seconds: float) -> bool:
+    """Test-only: on tensor-parallel rank ``rank``, make adaptive speculation's clock see
+    every plain (k = 0) step cost ``seconds`` more (a rank on a busier core). Its own
+    timing would then draft where the other ranks' would not."""
+    import time
+
+    from vllm.distributed import get_tp_group
+
+    adaptive = worker.model_runner.drafter.adaptive
+    if adaptive is None or get_tp_group().rank_in_group != rank:
+        return False
+    extra = [0.0]
+
+    def clock():
+        if adaptive._k_prev == 0:  # the step that just ran
+            extra[0] += seconds
+        return time.perf_counter() + extra[0]
+
+    adaptive.clock = clock
+    return True

@@ -263,8 +263,9 @@ def _two_ranks(agree: bool, steps: int = 120):
     """Two tensor-parallel ranks' AdaptiveDrafting, each timing its own steps: on rank 0
     drafts are cheap, on rank 1 dear. With ``agree`` rank 1 takes rank 0's k (what the
     proposer's broadcast does). Returns each rank's k per step."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from vllm_dflash2.adaptive import AdaptiveDrafting
 
