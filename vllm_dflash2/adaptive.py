@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 
@@ -280,12 +281,17 @@ class AdaptiveDrafting:
     the wall time between two proposals on ``clock``; a benchmark that steps several
     engines of one process in turn swaps in one that leaves out the other engines' steps
     (``tools.bench.load.ExcludingClock``). ``step_record`` keeps what the controller saw
-    (``VLLM_DFLASH2_STEP_RECORD``), for benchmarks."""
+    (``VLLM_DFLASH2_STEP_RECORD``), for benchmarks.
 
-    def __init__(self, max_k: int):
+    ``agree`` makes the k of every tensor-parallel rank the same: each rank times its own
+    steps, so their controllers can choose differently, and ranks that draft different k
+    run collectives of different shapes. The proposer passes a broadcast of rank 0's k."""
+
+    def __init__(self, max_k: int, agree: Callable[[int], int] | None = None):
         self.controllers = {greedy: AdaptiveSpeculation(max_k) for greedy in (True, False)}
         self.controller = self.controllers[True]  # the one that chose the step in flight
         self.clock = time.perf_counter
+        self.agree = agree
         keep = envs.get("VLLM_DFLASH2_STEP_RECORD")
         self.step_record: deque | None = deque(maxlen=keep) if keep else None
         self._k_prev = 0
@@ -309,6 +315,8 @@ class AdaptiveDrafting:
             # A seeded request's samples depend on how many drafts each step verified,
             # and timing-driven k would make reruns differ: keep K.
             k = max_k
+        if self.agree is not None:
+            k = self.agree(k)
         self._k_prev, self._t_prev = k, now
         return k
 

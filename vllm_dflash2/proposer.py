@@ -45,7 +45,7 @@ class DFlash2Proposer(DFlashProposer):
         self._runner = runner
         self.adaptive: AdaptiveDrafting | None = None
         if envs.get("VLLM_DFLASH2_ADAPTIVE", torch.device(device).type == "cpu"):
-            self.adaptive = AdaptiveDrafting(self.num_speculative_tokens)
+            self.adaptive = AdaptiveDrafting(self.num_speculative_tokens, _rank0_k())
         # k = 0 steps after a k = 0 step stash their context rows (needs the runner's
         # batch: which request owns which rows).
         self.deferred: DeferredContext | None = None
@@ -223,6 +223,24 @@ class DFlash2Proposer(DFlashProposer):
             # int64 arithmetic wraps around, which is all a hash input needs.
             seeds[idx] = base * _SEED_MIX + anchor_pos[idx].to(torch.int64)
         return seeds
+
+
+def _rank0_k():
+    """Under tensor parallelism, a function that hands every rank tensor-parallel rank
+    0's k (see ``AdaptiveDrafting``); None on one rank."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return None
+    buf = torch.zeros(1, dtype=torch.int64)  # k is host-side: the host (gloo) group
+
+    def agree(k: int) -> int:
+        buf[0] = k
+        torch.distributed.broadcast(buf, src=group.ranks[0], group=group.cpu_group)
+        return int(buf[0])
+
+    return agree
 
 
 def _to_int64(value: int) -> int:

@@ -135,20 +135,20 @@ def record_drafts(worker, on: bool = True) -> bool:
     return True
 
 
-def take_recorded_drafts(worker) -> dict:
+def take_recorded_drafts(worker, hidden: bool = True) -> dict:
     """What ``record_drafts`` saw since the last call, then clears it.
 
     ``{"tokens": [step][request][k], "batch": [step] -> requests in that step,
-    "hidden": [sum of batch, K, H] float32}`` (steps concatenated; split by ``batch``).
+    "hidden": [sum of batch, K, H] float32}`` (steps concatenated; split by ``batch``;
+    ``hidden=False``: left out, for steps of different K).
     """
     drafter = worker.model_runner.drafter
     steps = getattr(drafter, "_dflash2_recorded", [])
     drafter._dflash2_recorded = []
-    return {
-        "tokens": [tokens for tokens, _ in steps],
-        "batch": [len(tokens) for tokens, _ in steps],
-        "hidden": torch.cat([h for _, h in steps]) if steps else torch.zeros(0),
-    }
+    out = {"tokens": [tokens for tokens, _ in steps], "batch": [len(tokens) for tokens, _ in steps]}
+    if hidden:
+        out["hidden"] = torch.cat([h for _, h in steps]) if steps else torch.zeros(0)
+    return out
 
 
 # Speculate a fixed K in every step: seeded outputs then depend on the seed only.
@@ -257,3 +257,62 @@ def probe_dflash_logits(worker, num_rows: int = 6, seed: int = 0) -> dict[str, t
     hidden = torch.randn(num_rows, weight.shape[1], generator=g).to(weight.dtype)
     return {"logits": model.compute_logits(hidden).float().cpu(),
             "ref": (hidden.float() @ weight.float().T).cpu(), "vocab": model.candidate_vocab.cpu()}
+
+
+def set_adaptive(worker, on: bool) -> bool:
+    """Switch the proposer's adaptive speculation off (fixed K: a run drafts every step)
+    or back on; on a worker whose engine was built with it. Returns whether it is on."""
+    drafter = worker.model_runner.drafter
+    if not on and drafter.adaptive is not None:
+        drafter._dflash2_adaptive_off = drafter.adaptive
+        drafter.adaptive = None
+    elif on and drafter.adaptive is None:
+        drafter.adaptive = getattr(drafter, "_dflash2_adaptive_off", None)
+    return drafter.adaptive is not None
+
+
+def set_candidate_vocab(worker, ids: list[int] | None) -> None:
+    """Test-only: replace the drafter's candidate vocabulary (None: the full vocabulary),
+    as if its config had named ``ids``; the head rows are gathered again on first use."""
+    model = _drafter(worker)
+    model.candidate_vocab = None if ids is None else torch.tensor(ids, dtype=torch.int64)
+    model._candidate_head = model._candidate_gemm = None
+
+
+def probe_candidates(worker, num_rows: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The DFlash2 drafter's candidates (ids, values) for random hidden states; under
+    tensor parallelism every rank must call it (it all-gathers)."""
+    model = _drafter(worker)
+    g = torch.Generator().manual_seed(seed)
+    weight = model.lm_head.weight  # [vocab (shard), hidden]
+    hidden = torch.randn(num_rows, weight.shape[1], generator=g).to(weight.dtype)
+    ids, values = model.compute_candidates(hidden)
+    return {"ids": ids.cpu(), "values": values.float().cpu()}
+
+
+def adaptive_steps(worker) -> list[int]:
+    """The k each recorded adaptive step drafted (``VLLM_DFLASH2_STEP_RECORD``)."""
+    adaptive = worker.model_runner.drafter.adaptive
+    return [r["k"] for r in adaptive.step_record] if adaptive is not None else []
+
+
+def slow_plain_steps_on_rank(worker, rank: int, seconds: float) -> bool:
+    """Test-only: on tensor-parallel rank ``rank``, make adaptive speculation's clock see
+    every plain (k = 0) step cost ``seconds`` more (a rank on a busier core). Its own
+    timing would then draft where the other ranks' would not."""
+    import time
+
+    from vllm.distributed import get_tp_group
+
+    adaptive = worker.model_runner.drafter.adaptive
+    if adaptive is None or get_tp_group().rank_in_group != rank:
+        return False
+    extra = [0.0]
+
+    def clock():
+        if adaptive._k_prev == 0:  # the step that just ran
+            extra[0] += seconds
+        return time.perf_counter() + extra[0]
+
+    adaptive.clock = clock
+    return True

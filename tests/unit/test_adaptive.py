@@ -257,3 +257,45 @@ def test_report_counts_match_what_was_chosen_and_measured():
     assert snap["chosen"][b] == {k: chosen.count(k) for k in set(chosen)}
     for k, ms in snap["mean_ms"][b].items():  # constant cost per k: mean == that cost
         assert ms == pytest.approx(100 * (1 + 0.1 * k))
+
+
+def _two_ranks(agree: bool, steps: int = 120):
+    """Two tensor-parallel ranks' AdaptiveDrafting, each timing its own steps: on rank 0
+    drafts are cheap, on rank 1 dear. With ``agree`` rank 1 takes rank 0's k (what the
+    proposer's broadcast does). Returns each rank's k per step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_dflash2.adaptive import AdaptiveDrafting
+
+    shared = {}
+
+    def leader(k):
+        shared["k"] = k
+        return k
+
+    ranks = []
+    for draft_cost, fn in ((0.0001, leader), (0.1, lambda k: shared["k"])):
+        drafting = AdaptiveDrafting(K, agree=fn if agree else None)
+        now = [0.0]
+        drafting.clock = lambda now=now: now[0]
+        ranks.append((drafting, now, draft_cost))
+    greedy = SimpleNamespace(all_greedy=True, generators={})
+    chosen = [[], []]
+    for _ in range(steps):
+        for i, (drafting, now, draft_cost) in enumerate(ranks):  # rank 0 first, as a broadcast
+            k_prev = drafting._k_prev
+            now[0] += 0.01 + draft_cost * k_prev  # the step that just ran
+            if k_prev:
+                drafting.note_verified([k_prev] * 2, torch.tensor([k_prev + 1] * 2))
+            cad = SimpleNamespace(batch_size=lambda: 2, max_query_len=1 + k_prev)
+            chosen[i].append(drafting.choose(cad, greedy, K))
+    return chosen
+
+
+def test_tensor_parallel_ranks_draft_rank0s_k():
+    rank0, rank1 = _two_ranks(agree=False)
+    assert rank0 != rank1  # each rank's own timing would choose its own k
+    rank0, rank1 = _two_ranks(agree=True)
+    assert rank0 == rank1 and any(rank0)

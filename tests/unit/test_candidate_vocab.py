@@ -25,7 +25,9 @@ def test_candidate_logits_match_the_lm_head_rows(rows, gemm, monkeypatch):
     weight = torch.randn(4096, 96)
     ids = torch.randperm(4096)[:1000]
     head = CandidateVocabHead()
-    head.lm_head = SimpleNamespace(weight=weight)
+    # One rank's ParallelLMHead: the whole vocabulary is its shard.
+    head.lm_head = SimpleNamespace(weight=weight, tp_size=1, shard_indices=SimpleNamespace(
+        org_vocab_start_index=0, org_vocab_end_index=weight.shape[0]))
     monkeypatch.setenv("VLLM_DFLASH2_CPU_GEMM", gemm)
     head.candidate_vocab, head._candidate_head, head._candidate_gemm = ids, None, None
     hidden = torch.randn(rows, 96)
