@@ -40,7 +40,7 @@ def walk_seed(request_seed: int, anchor_pos: int) -> int:
 def hf_target(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def reference_drafter(path: Path):

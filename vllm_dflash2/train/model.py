@@ -127,7 +127,8 @@ class DraftConfig:
             use_swa=bool(dc.get("use_swa", False)), swa_window_size=dc.get("swa_window_size"),
             sliding_window=conf.get("sliding_window"), layer_types=conf.get("layer_types"),
             causal=dc.get("causal"), is_causal=conf.get("is_causal"),
-            attention_sink_bias=bool(dc.get("attention_sink_bias", conf.get("add_swa_attention_sink_bias", False))),
+            attention_sink_bias=bool(dc.get("attention_sink_bias",
+                                            conf.get("add_swa_attention_sink_bias", False))),
             attention_value_scale=dc.get("attention_value_scale"),
             input_embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
             output_multiplier=float(dc.get("output_multiplier", 1.0)),
@@ -505,8 +506,10 @@ def drafter_head(target, path: str | Path) -> "Head":
     conf = json.loads((Path(path) / "config.json").read_text())
     vocab = load_candidate_vocab(path, SimpleNamespace(**conf))
     head = Head(target.get_output_embeddings().weight.detach().float(), vocab)
-    cfg = DraftConfig.from_hf_config(conf)
-    head.multiplier, head.softcap = cfg.output_multiplier, cfg.final_logit_softcapping
+    dc = conf.get("dflash_config") or {}
+    softcap = dc.get("final_logit_softcapping")
+    head.multiplier = float(dc.get("output_multiplier", 1.0))
+    head.softcap = float(softcap) if softcap else None
     return head
 
 
