@@ -66,7 +66,8 @@ def _compare(layout: str, run: dict, model) -> dict:
     head = model.head(target.get_output_embeddings().weight)
     vocab = embed.shape[0]
     feats_cache: dict[str, torch.Tensor] = {}
-    stats = {"drafts": 0, "sampled": 0, "mismatch": [], "near_ties": 0, "q_err": 0.0, "truncated": 0}
+    stats = {"drafts": 0, "sampled": 0, "mismatch": [], "near_ties": 0, "q_err": 0.0,
+             "truncated": 0}
     for step in run["steps"]:
         for i, rid in enumerate(step["req_ids"]):
             req = run["requests"][rid]
@@ -82,8 +83,9 @@ def _compare(layout: str, run: dict, model) -> dict:
                 feats_cache[rid] = target_features(target, seq, model.cfg.target_layer_ids)
             temp = req["temperature"]
             seed = walk_seed(req["seed"], a) if req["seed"] is not None else 0
-            toks, cand, q, margin = propose(model, feats_cache[rid][:, :a], seq[:, : a + 1], a, embed,
-                                            head, temperature=temp, seed=seed, return_q=True)
+            toks, cand, q, margin = propose(model, feats_cache[rid][:, :a], seq[:, : a + 1], a,
+                                            embed, head, temperature=temp, seed=seed,
+                                            return_q=True)
             ours = step["tokens"][i]
             stats["drafts"] += 1
             agree = len(ours)
@@ -93,7 +95,8 @@ def _compare(layout: str, run: dict, model) -> dict:
                     if margin[pos] < NEAR_TIE:
                         stats["near_ties"] += 1
                     else:
-                        stats["mismatch"].append((rid, a, pos, ours, toks.tolist(), float(margin[pos])))
+                        stats["mismatch"].append(
+                            (rid, a, pos, ours, toks.tolist(), float(margin[pos])))
                     break
             if step["probs"] is not None:
                 stats["sampled"] += temp > 0

@@ -89,8 +89,8 @@ def _requests(outputs, prompts, temps, steps) -> dict[str, dict]:
     for i, o in enumerate(outputs):
         # The worker's id may carry a suffix after the engine-facing one.
         ids = [rid for rid in seen if rid == o.request_id or rid.startswith(o.request_id + "-")]
-        rec = {"prompt": prompts[i], "output": list(o.outputs[0].token_ids), "temperature": temps[i],
-               "seed": SEED + i if temps[i] > 0 else None}
+        rec = {"prompt": prompts[i], "output": list(o.outputs[0].token_ids),
+               "temperature": temps[i], "seed": SEED + i if temps[i] > 0 else None}
         for rid in ids:
             out[rid] = rec
     return out

@@ -250,11 +250,13 @@ LAYOUTS: dict[str, dict] = {
     # A draft vocabulary: own lm_head over 200 tokens, d2t offsets to the target's ids.
     "draft_vocab": {"draft_vocab_size": 200},
     # GLM-5.3-Flash's shape: 5 layers, 5 tapped target layers; rank != top-k.
-    "deep": {"num_layers": 5, "taps": 5, "dflash_config": {"selector_rank": 12, "selector_top_k": 6}},
+    "deep": {"num_layers": 5, "taps": 5,
+             "dflash_config": {"selector_rank": 12, "selector_top_k": 6}},
 }
 
 
-def build_layout_drafter(path: str | Path, target: str | Path, layout: str, *, seed: int = 0) -> Path:
+def build_layout_drafter(path: str | Path, target: str | Path, layout: str, *,
+                         seed: int = 0) -> Path:
     """A random drafter for ``target`` in one of ``LAYOUTS`` (native format)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {sorted(LAYOUTS)}")
@@ -284,11 +286,13 @@ def build_layout_drafter(path: str | Path, target: str | Path, layout: str, *, s
     heads = config["num_attention_heads"]
     if dflash.get("attention_sink_bias"):
         for i in range(num_layers):  # sizeable sinks: a third of the mass or so
-            tensors[f"layers.{i}.self_attn.attention_sink_bias"] = torch.randn(heads, generator=g) * 2.0
+            tensors[f"layers.{i}.self_attn.attention_sink_bias"] = \
+                torch.randn(heads, generator=g) * 2.0
     if draft_vocab:
         vocab = config["vocab_size"]
         ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
-        tensors["lm_head.weight"] = torch.randn(draft_vocab, config["hidden_size"], generator=g) * 0.08
+        tensors["lm_head.weight"] = \
+            torch.randn(draft_vocab, config["hidden_size"], generator=g) * 0.08
         tensors["d2t"] = ids - torch.arange(draft_vocab)
     out = build_tiny_drafter(path, target, seed=seed, tensors=tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2))  # verbatim: keys may be absent
