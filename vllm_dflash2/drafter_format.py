@@ -142,15 +142,27 @@ def native_config(*, hidden_size: int, intermediate_size: int, num_layers: int,
                   block_size: int, dflash2: bool = True, conv_kernel_size: int = 2,
                   conv_group_size: int = 16, selector_rank: int = 32, selector_top_k: int = 16,
                   rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
-                  max_position_embeddings: int = 8192, torch_dtype: str = "float32") -> dict:
-    """The native ``config.json`` of a drafter (a Qwen3 block-diffusion model, non-causal,
-    own lm_head, no own embedding unless the weights carry one)."""
+                  max_position_embeddings: int = 8192, torch_dtype: str = "float32",
+                  layer_types: list[str] | None = None, sliding_window: int | None = None,
+                  is_causal: bool | None = False, draft_vocab_size: int | None = None,
+                  dflash_extra: dict | None = None) -> dict:
+    """The native ``config.json`` of a drafter (a Qwen3 block-diffusion model, non-causal
+    unless ``is_causal``/``layer_types`` say otherwise, no own embedding unless the weights
+    carry one).
+
+    ``is_causal=None`` omits the key, so ``dflash_config.causal`` or ``layer_types`` decide
+    (sliding layers are causal); ``dflash_extra``: the optional ``dflash_config`` fields
+    (``use_swa``, ``swa_window_size``, ``causal``, ``attention_sink_bias``,
+    ``attention_value_scale``, ``input_embedding_scale``, ``output_multiplier``,
+    ``final_logit_softcapping``); ``draft_vocab_size``: a draft vocabulary (own lm_head
+    rows + ``d2t``)."""
     dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids),
               "block_size": block_size}
     if dflash2:
         dflash.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
                       selector_rank=selector_rank, selector_top_k=selector_top_k)
-    return {
+    dflash.update(dflash_extra or {})
+    config = {
         "architectures": [DFLASH2_ARCH if dflash2 else DFLASH_ARCH],
         "model_type": "qwen3",
         "hidden_size": hidden_size,
@@ -165,10 +177,10 @@ def native_config(*, hidden_size: int, intermediate_size: int, num_layers: int,
         "rope_theta": rope_theta,
         "max_position_embeddings": max_position_embeddings,
         "attention_bias": False,
-        "layer_types": ["full_attention"] * num_layers,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "is_causal": False,
+        "layer_types": list(layer_types or ["full_attention"] * num_layers),
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding_window is not None,
+        "is_causal": is_causal,
         "tie_word_embeddings": False,
         "vocab_size": vocab_size,
         "target_hidden_size": target_hidden_size,
@@ -176,6 +188,11 @@ def native_config(*, hidden_size: int, intermediate_size: int, num_layers: int,
         "torch_dtype": torch_dtype,
         "dflash_config": dflash,
     }
+    if is_causal is None:
+        del config["is_causal"]
+    if draft_vocab_size is not None and draft_vocab_size != vocab_size:
+        config["draft_vocab_size"] = draft_vocab_size
+    return config
 
 
 def expected_tensor_shapes(spec: DrafterSpec, target_hidden_size: int,

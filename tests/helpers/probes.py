@@ -316,3 +316,41 @@ def slow_plain_steps_on_rank(worker, rank: int, seconds: float) -> bool:
 
     adaptive.clock = clock
     return True
+
+
+def record_draft_steps(worker, on: bool = True) -> bool:
+    """Record, for every drafting step, what the V1 proposer drafted and from where:
+    per request its id, the anchor's position and token, the K draft tokens and the
+    dense draft probs handed to the rejection sampler (None when the batch is greedy).
+    Read and clear with ``take_draft_steps``; ``on=False`` stops recording."""
+    drafter = worker.model_runner.drafter
+    if not on:
+        drafter.__dict__.pop("_sample_draft_tokens", None)
+        return False
+    original = type(drafter)._sample_draft_tokens.__get__(drafter)
+    drafter._dflash2_steps = []
+
+    def recording(hidden_states, sampling_metadata):
+        tokens, probs = original(hidden_states, sampling_metadata)
+        k = drafter.num_speculative_tokens
+        n = hidden_states.shape[0] // k
+        stride = 1 + k
+        drafter._dflash2_steps.append({
+            "req_ids": list(worker.model_runner.input_batch.req_ids[:n]),
+            "anchor_pos": drafter.positions[: n * stride : stride].cpu().tolist(),
+            "anchor_id": drafter.input_ids[: n * stride : stride].cpu().tolist(),
+            "tokens": tokens.view(n, k).cpu().tolist(),
+            "probs": None if probs is None else probs.view(n, k, -1).float().cpu().clone(),
+        })
+        return tokens, probs
+
+    drafter._sample_draft_tokens = recording
+    return True
+
+
+def take_draft_steps(worker) -> list[dict]:
+    """What ``record_draft_steps`` saw since the last call, then clears it."""
+    drafter = worker.model_runner.drafter
+    steps = getattr(drafter, "_dflash2_steps", [])
+    drafter._dflash2_steps = []
+    return steps

@@ -126,12 +126,15 @@ def drafter_config(target_config: dict, **overrides) -> dict:
         "selector_top_k": 4,
     }
     dflash.update(overrides.pop("dflash_config", {}))
+    base = ("mask_token_id", "target_layer_ids", "block_size", "conv_kernel_size",
+            "conv_group_size", "selector_rank", "selector_top_k")
     config = native_config(
         hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2,
         num_heads=hidden // 32, num_kv_heads=max(1, hidden // 64), head_dim=32,
         vocab_size=target_config["vocab_size"], target_hidden_size=hidden,
         max_position_embeddings=target_config.get("max_position_embeddings", 1024),
-        **dflash)
+        dflash_extra={k: v for k, v in dflash.items() if k not in base},
+        **{k: v for k, v in dflash.items() if k in base})
     config.update(overrides)
     return config
 
@@ -227,3 +230,70 @@ def plain_dflash_drafter(path: str | Path, target: str | Path, seed: int = 0) ->
     save_file({k: v for k, v in t.items() if "conv" not in k and "candidate_selector" not in k},
               str(v2 / "model.safetensors"))
     return v2
+
+
+# Tiny drafters in every published DFlash2 layout: name -> (config overrides for
+# ``drafter_config``, extra drafter settings). Windows are shorter than the test prompts
+# (up to 250 tokens), so the window changes the drafts; values bite (the multiplier and
+# cap move the unary scores against the selector's edge scores).
+LAYOUTS: dict[str, dict] = {
+    # MiMo style: every layer slides, non-causal inside the block.
+    "swa": {"dflash_config": {"use_swa": True, "swa_window_size": 24}},
+    # Gemma style: sliding layer types are causal (top-level is_causal omitted).
+    "sliding_causal": {"layer_types": ["sliding_attention"] * 2, "sliding_window": 16,
+                       "is_causal": None},
+    # Candidate head: softcap(multiplier * logits), and scaled block embeddings.
+    "head_scales": {"dflash_config": {"final_logit_softcapping": 1.5, "output_multiplier": 3.0,
+                                      "input_embedding_scale": 2.5}},
+    # Per-head attention sinks and a value scale (context and block V).
+    "sink_vscale": {"dflash_config": {"attention_sink_bias": True, "attention_value_scale": 0.5}},
+    # A draft vocabulary: own lm_head over 200 tokens, d2t offsets to the target's ids.
+    "draft_vocab": {"draft_vocab_size": 200},
+    # GLM-5.3-Flash's shape: 5 layers, 5 tapped target layers; rank != top-k.
+    "deep": {"num_layers": 5, "taps": 5,
+             "dflash_config": {"selector_rank": 12, "selector_top_k": 6}},
+}
+
+
+def build_layout_drafter(path: str | Path, target: str | Path, layout: str, *,
+                         seed: int = 0) -> Path:
+    """A random drafter for ``target`` in one of ``LAYOUTS`` (native format)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {sorted(LAYOUTS)}")
+    spec = json.loads(json.dumps(LAYOUTS[layout]))  # a copy
+    target_config = json.loads((Path(target) / "config.json").read_text())
+    n_target = target_config["num_hidden_layers"]
+    num_layers = spec.pop("num_layers", 2)
+    taps = spec.pop("taps", 3)
+    if taps > n_target:
+        raise ValueError(f"layout {layout!r} taps {taps} target layers; the target has {n_target}")
+    dflash = spec.pop("dflash_config", {})
+    # Evenly spread taps, always including the last layer (as the published drafters do).
+    dflash.setdefault("target_layer_ids",
+                      sorted({round(i * (n_target - 1) / max(taps - 1, 1)) for i in range(taps)}))
+    draft_vocab = spec.get("draft_vocab_size")
+    causal = spec.pop("is_causal", False)
+    config = drafter_config(target_config, dflash_config=dflash, **spec)
+    if num_layers != config["num_hidden_layers"]:
+        config["num_hidden_layers"] = num_layers
+        if config.get("layer_types"):
+            config["layer_types"] = (config["layer_types"] * num_layers)[:num_layers]
+    if causal is None:
+        config.pop("is_causal", None)
+    config["use_sliding_window"] = config.get("sliding_window") is not None
+    tensors = drafter_tensors(config, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    heads = config["num_attention_heads"]
+    if dflash.get("attention_sink_bias"):
+        for i in range(num_layers):  # sizeable sinks: a third of the mass or so
+            tensors[f"layers.{i}.self_attn.attention_sink_bias"] = \
+                torch.randn(heads, generator=g) * 2.0
+    if draft_vocab:
+        vocab = config["vocab_size"]
+        ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        tensors["lm_head.weight"] = \
+            torch.randn(draft_vocab, config["hidden_size"], generator=g) * 0.08
+        tensors["d2t"] = ids - torch.arange(draft_vocab)
+    out = build_tiny_drafter(path, target, seed=seed, tensors=tensors)
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # verbatim: keys may be absent
+    return out
