@@ -150,7 +150,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=64, help="vLLM requests in flight")
+    p.add_argument("--concurrency", type=int, default=128, help="vLLM requests in flight (datagen default)")
     p.add_argument("--batch-size", type=int, default=64, help="HF batch (its default)")
     p.add_argument("--teacher-top-n", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)

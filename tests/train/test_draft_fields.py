@@ -140,3 +140,30 @@ def test_a_drafter_with_every_field_trains():
         opt.step()
         losses.append(float(loss))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_train_cli_passes_layout_fields_to_the_config():
+    """`vllm-dflash2 train --draft-field NAME=JSON`: the published layouts' fields reach the
+    DraftConfig and the exported config.json; a wrong name or value is refused by name."""
+    from types import SimpleNamespace
+
+    from vllm_dflash2.train.cli import _parser, make_config
+
+    args = _parser().parse_args([
+        "--data", "D", "--out", "O", "--draft-field", "use_swa=true",
+        "--draft-field", "swa_window_size=2048", "--draft-field", "final_logit_softcapping=30.0"])
+    tconf = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                            num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
+                            rope_parameters={"rope_theta": 100000.0})
+    cfg = make_config(args, tconf, "dflash2")
+    assert cfg.use_swa is True and cfg.swa_window_size == 2048 and cfg.final_logit_softcapping == 30.0
+    dflash = cfg.hf_config()["dflash_config"]
+    assert dflash["use_swa"] is True and dflash["swa_window_size"] == 2048
+    assert dflash["final_logit_softcapping"] == 30.0
+    for bad, message in (("use_swaa=true", "expected NAME=JSON with NAME one of"),
+                         ("hidden_size=8", "expected NAME=JSON with NAME one of"),
+                         ("use_swa=yes", "expected a JSON value after '='")):
+        args = _parser().parse_args(["--data", "D", "--out", "O", "--draft-field", bad])
+        with pytest.raises(SystemExit, match=message) as err:
+            make_config(args, tconf, "dflash2")
+        assert repr(bad) in str(err.value)

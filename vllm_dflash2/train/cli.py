@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--selector-rank", type=int, default=32)
     p.add_argument("--conv-group-size", type=int, default=16)
+    p.add_argument("--draft-field", action="append", default=[], metavar="NAME=JSON",
+                   help="any other DraftConfig field (the published DFlash2 layouts), e.g. "
+                        "use_swa=true, swa_window_size=2048, final_logit_softcapping=30.0, "
+                        "layer_types='[\"sliding_attention\", \"sliding_attention\"]'; repeatable")
     p.add_argument("--candidate-vocab", type=int, default=16384,
                    help="tokens the drafter may propose, ranked on the dataset (0: whole vocabulary)")
     # optimisation
@@ -109,8 +113,30 @@ def make_config(args, tconf, variant: str) -> DraftConfig:
         vocab_size=int(tconf.vocab_size), target_hidden_size=int(tconf.hidden_size),
         target_layer_ids=ids, mask_token_id=args.mask_token_id if args.mask_token_id is not None else 16,
         block_size=args.block_size, conv_group_size=args.conv_group_size,
-        selector_rank=args.selector_rank, variant=variant,
+        selector_rank=args.selector_rank, variant=variant, **draft_fields(args.draft_field),
     )
+
+
+def draft_fields(items: list[str]) -> dict:
+    """``--draft-field NAME=JSON`` options -> DraftConfig keyword arguments."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(DraftConfig)}
+    fixed = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "target_hidden_size", "target_layer_ids", "variant", "intermediate_size",
+             "num_hidden_layers", "block_size", "conv_group_size", "selector_rank", "mask_token_id"}
+    out = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in known - fixed:
+            raise SystemExit(f"--draft-field={item!r}: expected NAME=JSON with NAME one of "
+                             f"{sorted(known - fixed)} (the others have their own flags or "
+                             f"come from the target)")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            raise SystemExit(f"--draft-field={item!r}: expected a JSON value after '='") from None
+    return out
 
 
 def read_data(args, layer_ids: list[int], device: torch.device,

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-answer-tokens", type=int, default=8)
     p.add_argument("--min-prompt-words", type=int, default=3)
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype (features are stored bf16)")
-    p.add_argument("--concurrency", type=int, default=64, help="vllm: requests in flight (max_num_seqs)")
+    p.add_argument("--concurrency", type=int, default=128, help="vllm: requests in flight (max_num_seqs)")
     p.add_argument("--batch-size", type=int, default=64, help="hf: rows of the refilled batch")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=1024)
