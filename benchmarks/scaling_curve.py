@@ -18,6 +18,11 @@ WORK/NAME). Example, the shipped drafter's recipe::
         --points 247000,494000,988000,1976000,2470000 -- \\
         --max-steps 2400 --batch-seqs 4 --ckpt-every 250 --seed 0 --variants dflash2
 
+With that recipe a point takes about 28 min of training on 2 quiet cores (the step count,
+not the data size, sets it: bigger points see each sequence fewer times), a few minutes
+of offline estimate (16 held-out prompts) and ~4 min of vLLM eval (one engine).
+``--vllm-points`` / ``--offline-only`` limit the vLLM evals.
+
 Resumable: a point whose export, summary and eval JSON exist is skipped, and a killed
 training resumes from its checkpoint (same command). Results go to one JSON (``--out``,
 merged by label across invocations, saved after every step) and a PNG next to it: tau
@@ -171,30 +176,38 @@ def point_record(folder: Path, evaluation: dict | None) -> dict:
 
 
 def plot(result: dict, png: Path) -> None:
+    """One panel per prompt kind; colour: the label (recipe), line: vLLM greedy (solid),
+    vLLM T = 1 (dotted), offline greedy estimate (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, run in result["runs"].items():
-        pts = sorted(run["points"].values(), key=lambda r: r["answer_tokens"])
-        xs = [r["answer_tokens"] for r in pts]
-        keys = sorted({k for r in pts for k in r.get("tau", {})})
-        for key in keys:
-            ys = [r.get("tau", {}).get(key) for r in pts]
-            if any(y is not None for y in ys):
-                ax.plot(xs, ys, marker="o", label=f"{label} vLLM {key}")
-        for kind in KINDS:
-            ys = [r["offline_tau"].get(kind) for r in pts]
-            if any(y is not None for y in ys):
-                ax.plot(xs, ys, marker="x", linestyle="--", label=f"{label} offline T0/{kind}")
-    ax.set_xscale("log")
-    ax.set_xlabel("answer tokens of training data")
-    ax.set_ylabel("tau (tokens per target step)")
-    ax.set_title("DFlash2 drafter: tau against training data")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    styles = {"T0": ("-", "o", "vLLM T=0"), "T1": (":", "s", "vLLM T=1"), "offline": ("--", "x", "offline T=0")}
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(11, 4.5), sharey=True)
+    for ax, kind in zip(axes, KINDS):
+        for i, (label, run) in enumerate(result["runs"].items()):
+            pts = sorted(run["points"].values(), key=lambda r: r["answer_tokens"])
+            for key, (ls, marker, name) in styles.items():
+                get = ((lambda r: r["offline_tau"].get(kind)) if key == "offline"
+                       else (lambda r, key=key: r.get("tau", {}).get(f"{key}/{kind}")))
+                xy = [(r["answer_tokens"], get(r)) for r in pts if get(r) is not None]
+                if xy:
+                    ax.plot(*zip(*xy), linestyle=ls, marker=marker, color=f"C{i}", label=f"{label}: {name}")
+        ax.set_xscale("log")
+        ax.minorticks_off()  # ticks at the points' labels (the data a point used is within a sequence)
+        ax.set_xticks(sorted({r.get("max_answer_tokens") or r["answer_tokens"]
+                              for run in result["runs"].values() for r in run["points"].values()}))
+        ax.tick_params(axis="x", labelrotation=35)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e6:.3g}M" if x >= 1e6
+                                                   else f"{x / 1e3:.3g}k"))
+        ax.set_xlabel("answer tokens of training data")
+        ax.set_title(f"{kind} prompts")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("tau (tokens per target step)")
+    fig.suptitle("DFlash2 drafter: tau against training data")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -218,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if flag in recipe:
             raise SystemExit(f"recipe argument {flag}: set by the curve itself; expected only training "
                              f"knobs after `--` and in --extra-train-args")
+    if "--variants" in recipe and "dflash2" not in (recipe[recipe.index("--variants") + 1:] or [""])[0].split(","):
+        raise SystemExit("recipe argument --variants: the curve follows the dflash2 export; "
+                         "expected a list with dflash2")
     for name in ("k", "max_tokens", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected an integer >= 1")
@@ -277,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "wall_seconds": round(wall, 1)})
             evaluation = json.loads((folder / "eval.json").read_text())
         run["points"][str(point)] = rec = point_record(folder, evaluation)
+        rec["train_command"] = redact(json.loads((folder / "summary.json").read_text())
+                                      ["variants"]["dflash2"]["command"], args)
         print(f"[{args.label} {point}] " + json.dumps({k: rec.get(k) for k in
                                                       ("answer_tokens", "steps", "train_seconds", "tau",
                                                        "offline_tau")}), flush=True)

@@ -47,9 +47,18 @@ def write_folder(root, target, first: int, num: int, shard_sequences: int = 2):
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_target, tmp_path_factory):
+def target(tmp_path_factory):
+    """A peaked tiny target: a drafter sharing its lm_head proposes what it will accept, so
+    a working eval reads tau well above 1 even after two training steps."""
+    from vllm_dflash2.tools.tiny_models import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("curve_target"), peaked=5.0)
+
+
+@pytest.fixture(scope="module")
+def folders(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("curve_data")
-    return write_folder(root / "a", tiny_target, 0, 5), write_folder(root / "b", tiny_target, 5, 4)
+    return write_folder(root / "a", target, 0, 5), write_folder(root / "b", target, 5, 4)
 
 
 def _prompts(seqs):
@@ -74,11 +83,11 @@ def test_max_answer_tokens_is_a_prefix(folders):
         shards.read_shards([a], max_answer_tokens=0)
 
 
-def test_train_max_answer_tokens_refusals_and_summary(folders, tiny_target, tmp_path, capsys):
+def test_train_max_answer_tokens_refusals_and_summary(folders, target, tmp_path, capsys):
     from vllm_dflash2.train import cli
 
     a, b = folders
-    common = ["--target", str(tiny_target), "--data", str(a), str(b), *RECIPE, "--max-steps", "1"]
+    common = ["--target", str(target), "--data", str(a), str(b), *RECIPE, "--max-steps", "1"]
     with pytest.raises(SystemExit, match=r"--max-answer-tokens=0: expected an integer >= 1"):
         cli.main(common + ["--out", str(tmp_path / "z"), "--max-answer-tokens", "0"])
     with pytest.raises(SystemExit,
@@ -115,7 +124,7 @@ def _curve(*argv):
     return proc.stdout
 
 
-def test_scaling_curve_end_to_end_and_resume(folders, tiny_target, tmp_path):
+def test_scaling_curve_end_to_end_and_resume(folders, target, tmp_path):
     """Two points (the second crossing into the second folder), each trained by a child
     `vllm-dflash2 train` and evaluated by a child `vllm-dflash2 eval` on the tiny target;
     then the same command again trains and evaluates nothing."""
@@ -124,7 +133,7 @@ def test_scaling_curve_end_to_end_and_resume(folders, tiny_target, tmp_path):
     prompts.write_text(json.dumps({"prompt": "def add(a, b):", "kind": "code"}) + "\n"
                        + json.dumps({"prompt": "Hello, how are you?", "kind": "chat"}) + "\n")
     out, work = tmp_path / "results" / "curve.json", tmp_path / "work"
-    argv = ["--data", a, b, "--target", tiny_target, "--work", work,
+    argv = ["--data", a, b, "--target", target, "--work", work,
             "--points", f"{6 * ANSWER},{3 * ANSWER}", "--offline-prompts", 2, "--k", 3,
             "--max-tokens", 8, "--concurrency", 2, "--prompts", prompts,
             "--max-model-len", 256, "--vllm-points", 3 * ANSWER,
@@ -148,11 +157,12 @@ def test_scaling_curve_end_to_end_and_resume(folders, tiny_target, tmp_path):
     # one vLLM engine keeps the test short: the small point through vLLM, the large one offline
     assert set(small["tau"]) == {"T0/code", "T0/chat", "T1/code", "T1/chat"} and "tau" not in large
     assert all(1.0 <= t <= 4.0 for t in small["tau"].values()), small["tau"]
+    assert small["tau"]["T0/code"] > 2 and small["tau"]["T0/chat"] > 2, small["tau"]
     assert all(len(p) == 3 for p in small["acceptance_per_pos"].values())
     for rec in (small, large):
         assert rec["steps"] == 2 and rec["train_seconds"] > 0
         assert set(rec["offline_tau"]) >= {"code", "chat"}
-        assert all(1.0 <= t <= 4.0 for t in rec["offline_tau"].values()), rec["offline_tau"]
+        assert all(2.0 < t <= 4.0 for t in rec["offline_tau"].values()), rec["offline_tau"]
     cmds = [c["command"] for c in run["commands"]]
     assert len(cmds) == 3 and [c.split()[1] for c in cmds] == ["train", "eval", "train"]
     assert all(str(tmp_path) not in c for c in cmds)  # placeholders, not this machine's folders
