@@ -151,6 +151,8 @@ def test_scaling_curve_end_to_end_and_resume(folders, target, tmp_path):
         summary = json.loads((work / "base" / f"p{point}" / "summary.json").read_text())
         assert f"--max-answer-tokens {point}" in summary["variants"]["dflash2"]["command"]
         assert summary["dataset"]["sequences"] == rec["sequences"]
+        card = (work / "base" / f"p{point}" / "drafter" / "README.md").read_text()
+        assert f"Trained on the first {point} answer tokens of the data folders' 180" in card
     p_small = _prompts(shards.read_shards([a, b], max_answer_tokens=3 * ANSWER)[0])
     p_large = _prompts(shards.read_shards([a, b], max_answer_tokens=6 * ANSWER)[0])
     assert p_large[:len(p_small)] == p_small and len(p_large) > len(p_small)
