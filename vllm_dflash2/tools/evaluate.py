@@ -72,14 +72,15 @@ def _summarize(d: dict) -> dict:
 
 
 def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_tokens: int,
-             temperatures: list[float], dtype: str, seed: int, concurrency: int = 1) -> dict:
+             temperatures: list[float], dtype: str, seed: int, concurrency: int = 1,
+             max_model_len: int = 2048) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Acceptance is measured at the K asked for: adaptive speculation would draft fewer.
     os.environ.setdefault("VLLM_DFLASH2_ADAPTIVE", "0")
     from vllm import LLM, SamplingParams
 
     kw = dict(model=target, enforce_eager=True, dtype=dtype, disable_log_stats=False,
-              gpu_memory_utilization=0.5, max_model_len=2048, seed=seed)
+              gpu_memory_utilization=0.5, max_model_len=max_model_len, seed=seed)
     if drafter:
         kw["speculative_config"] = {"method": "dflash", "model": drafter, "num_speculative_tokens": k}
     llm = LLM(**kw)
@@ -142,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=1,
                    help="prompts generated together (tokens/s depends on it, greedy tau does not)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len (prompt + answer)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without speculation")
     p.add_argument("--offline", action="store_true", help="pure-torch estimator instead of vLLM")
     p.add_argument("--out", default="benchmarks/results/eval.json")
     args = p.parse_args(argv)
-    for name in ("concurrency", "num_speculative_tokens", "max_tokens"):
+    for name in ("concurrency", "num_speculative_tokens", "max_tokens", "max_model_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
 
@@ -178,11 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not args.no_baseline:
             result["baseline"] = run_vllm(target, None, prompts, args.num_speculative_tokens,
-                                          args.max_tokens, temps, args.dtype, args.seed, args.concurrency)
+                                          args.max_tokens, temps, args.dtype, args.seed, args.concurrency,
+                                          args.max_model_len)
         for d in drafters:
             result["spec"][Path(d).name] = run_vllm(target, d, prompts, args.num_speculative_tokens,
                                                     args.max_tokens, temps, args.dtype, args.seed,
-                                                    args.concurrency)
+                                                    args.concurrency, args.max_model_len)
             print(Path(d).name, json.dumps({k: (v.get("tau"), round(v["tokens_per_s"], 2))
                                             for k, v in result["spec"][Path(d).name].items()}))
     out = Path(args.out)

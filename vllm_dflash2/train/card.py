@@ -49,6 +49,12 @@ def write_card(dest: str | Path, summary: dict, variant: str, evaluation: dict |
     train_min = v["train_seconds"] / 60
     vocab = summary.get("candidate_vocab", {})
     made = "; ".join(f"`{c}`" for c in ds.get("commands", [])) or "not recorded"
+    subset = ""
+    if ds.get("max_answer_tokens") is not None:  # a data-scaling curve's point: a prefix of the folders
+        subset = (f"\nTrained on the first {ds['answer_tokens']} answer tokens of the data folders' "
+                  f"{ds.get('answer_tokens_available')} (`--max-answer-tokens {ds['max_answer_tokens']}`"
+                  + (", fewer than asked: `--allow-less`" if ds.get("short_of_max_answer_tokens") else "")
+                  + "); sequence and token counts are of that prefix, run totals of the whole folders.")
     text = f"""# {dest.name}
 
 {kind} drafter for **{summary.get('target', 'the target')}** (the target that
@@ -77,7 +83,7 @@ every prompt answered by the target's greedy decoding (max {ds.get('max_new_toke
 {ds.get('dropped_short', 'n/a')}, as resembling a held-out prompt: {ds.get('dropped_held_out', 'n/a')}.
 Features (layers {ds.get('layer_ids')}) and the target's top-{ds.get('teacher_top_n')} next-token
 distributions (soft labels) are captured in the same forward passes. Held-out eval prompts
-(`examples/prompts/`) are hand-written and never enter training.
+(`examples/prompts/`) are hand-written and never enter training.{subset}
 
 ## Training
 

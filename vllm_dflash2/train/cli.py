@@ -37,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-dflash2 train", description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", required=True, metavar="DIR",
                    help="data folders written by `vllm-dflash2 datagen` (read together)")
+    p.add_argument("--max-answer-tokens", type=int, default=None, metavar="N",
+                   help="train on the shortest prefix of the data (folders in the order given, shards "
+                        "and sequences in stored order, whole sequences) with at least N answer "
+                        "tokens; a larger N's data contains a smaller one's (data-scaling curves)")
+    p.add_argument("--allow-less", action="store_true",
+                   help="with --max-answer-tokens: train on all the data when it holds fewer than N "
+                        "answer tokens (recorded in the summary) instead of refusing")
     p.add_argument("--target", default=None, help="HF target folder (default: the bundled SmolLM2 target)")
     p.add_argument("--out", required=True, help="work folder: checkpoints, histories, exports, summary")
     p.add_argument("--variants", default="dflash2", help="comma list of dflash2,dflash")
@@ -150,11 +157,18 @@ def read_data(args, layer_ids: list[int], device: torch.device,
                          f"written by `vllm-dflash2 datagen` (sharded safetensors)")
     try:
         # Features mapped, not read, on CPU: 2.5M answer tokens of SmolLM2 taps are ~20 GB.
-        data, header = read_shards(args.data, mmap=device.type == "cpu")
+        data, header = read_shards(args.data, mmap=device.type == "cpu",
+                                   max_answer_tokens=getattr(args, "max_answer_tokens", None))
     except ValueError as exc:
         raise SystemExit(f"--data: {exc}") from None
     if not data:
         raise SystemExit(f"--data {' '.join(args.data)}: no complete shard; expected at least one sequence")
+    limit = getattr(args, "max_answer_tokens", None)
+    answer = sum(len(d["tokens"]) - d["prompt_len"] for d in data)
+    if limit is not None and answer < limit and not args.allow_less:
+        raise SystemExit(f"--max-answer-tokens={limit}: the data folders hold only {answer} answer tokens; "
+                         f"expected at least {limit} (more data, a smaller N, or --allow-less to train "
+                         f"on all {answer})")
     if header.get("layer_ids") not in (None, layer_ids):
         raise SystemExit(f"--data: features of layers {header['layer_ids']}, the drafter reads "
                          f"{layer_ids} (--target-layer-ids)")
@@ -164,7 +178,12 @@ def read_data(args, layer_ids: list[int], device: torch.device,
                          f"({len(layer_ids)} layers x the target's hidden size); another target's data?")
     if device.type != "cpu":  # the whole set on the device: batches are gathered there
         data = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in x.items()} for x in data]
-    return data, dataset_info(data, header, fdim)
+    info = dataset_info(data, header, fdim)
+    if limit is not None:
+        # answer_tokens is what was used; a point of a data-scaling curve is labelled by the limit
+        info.update(max_answer_tokens=limit, answer_tokens_available=header.get("totals", {}).get("answer_tokens"),
+                    short_of_max_answer_tokens=answer < limit)
+    return data, info
 
 
 def dataset_info(data: list[dict], header: dict, fdim: int) -> dict:
@@ -222,6 +241,11 @@ def check_args(args, d: Dist) -> list[str]:
     for name in ("blocks_per_seq", "ckpt_every", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
+    if args.max_answer_tokens is not None and args.max_answer_tokens < 1:
+        raise SystemExit(f"--max-answer-tokens={args.max_answer_tokens}: expected an integer >= 1 "
+                         f"(answer tokens of the data prefix to train on)")
+    if args.allow_less and args.max_answer_tokens is None:
+        raise SystemExit("--allow-less: expected together with --max-answer-tokens")
     if args.max_steps is not None and args.max_steps < 0:
         raise SystemExit(f"--max-steps: got {args.max_steps}, expected an integer >= 0")
     for p in args.data:
@@ -247,6 +271,9 @@ def train(args, d: Dist | None = None) -> dict:
     data, info = read_data(args, layer_ids, d.device, len(layer_ids) * int(target.config.hidden_size))
     log(f"dataset: {len(data)} sequences, {info['tokens']} tokens ({info['answer_tokens']} answer tokens) "
         f"from {len(args.data)} folder(s); world {d.world} on {d.device.type}", flush=True)
+    if info.get("short_of_max_answer_tokens"):
+        log(f"WARNING: --max-answer-tokens={args.max_answer_tokens} but the data holds only "
+            f"{info['answer_tokens']} answer tokens (--allow-less): training on all of them", flush=True)
     vocab_size = int(target.config.vocab_size)
     vocab, vocab_info = candidate_vocab(data, vocab_size, args.candidate_vocab)
     d.check_same(vocab, "candidate vocabulary")

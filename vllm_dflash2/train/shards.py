@@ -255,12 +255,15 @@ def read_shard(path: str | Path, mmap: bool = False) -> list[dict]:
 
 
 def read_shards(roots: str | Path | list, rank: int = 0, world: int = 1,
-                mmap: bool = False) -> tuple[list[dict], dict]:
+                mmap: bool = False, max_answer_tokens: int | None = None) -> tuple[list[dict], dict]:
     """Sequences of one or more data folders -> (sequences, merged manifest header).
 
     With ``world`` > 1, rank ``rank`` reads shards ``rank, rank + world, ...`` of the
     concatenated shard list (each rank its own part). All folders must share the taps.
-    ``mmap``: features memory-mapped (see ``_mapped``).
+    ``mmap``: features memory-mapped (see ``_mapped``). ``max_answer_tokens``: only the
+    shortest prefix of the sequences in stored order (folders as given, shards in
+    manifest order) that holds at least that many answer tokens, whole sequences, so a
+    larger budget's data contains a smaller one's; shards past it are not opened.
     """
     roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
     files, header = [], None
@@ -280,7 +283,19 @@ def read_shards(roots: str | Path | list, rank: int = 0, world: int = 1,
         raise ValueError("read_shards: no data folder given")
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank}: expected 0 <= rank < world={world}")
-    seqs = []
+    if max_answer_tokens is not None:
+        if max_answer_tokens < 1:
+            raise ValueError(f"max_answer_tokens={max_answer_tokens}: expected an integer >= 1")
+        if world != 1:  # a prefix of the whole list is not a stride of it
+            raise ValueError(f"max_answer_tokens with world={world}: expected world=1")
+    seqs, answer = [], 0
+    full = (lambda: False) if max_answer_tokens is None else (lambda: answer >= max_answer_tokens)
     for path in files[rank::world]:
-        seqs += read_shard(path, mmap=mmap)
+        if full():
+            break
+        for seq in read_shard(path, mmap=mmap):
+            if full():
+                break
+            seqs.append(seq)
+            answer += len(seq["tokens"]) - seq["prompt_len"]
     return seqs, header
