@@ -444,6 +444,8 @@ PRIVATE_UPSTREAM: tuple[tuple[str, str, str, str], ...] = (
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model", "_rms_norm_eps",
      "model.py: the K-norm epsilon"),
     ("vllm._custom_ops", "", "_supports_onednn", "model.py: the candidate head's GEMM"),
+    ("vllm.model_executor.layers.logits_processor", "LogitsProcessor", "_apply_head",
+     "model.py: the vocabulary-parallel candidate top-k under tensor parallelism"),
 )
 
 
