@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_dflash2.tools.bench.profiling import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _ANSWER_CHILD = r"""
@@ -69,15 +71,6 @@ else:
 json.dump({"answer_tokens": answer, "generate_seconds": gen, "startup_seconds": start,
            "sequences": len(prompts)}, open(out, "w"))
 """
-
-
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
 
 
 def loadavg() -> float:

@@ -42,18 +42,11 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_dflash2.tools.bench.profiling import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POINTS = "247000,494000,988000,1976000,2470000"
 KINDS = ("code", "chat")
-
-
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
 
 
 def parse_points(text: str) -> list[int]:
@@ -273,24 +266,21 @@ def main(argv: list[str] | None = None) -> int:
         folder = work / f"p{point}"
         folder.mkdir(exist_ok=True)
         log = folder / "log.txt"
-        tcmd = train_command(args, recipe, point, folder)
-        if trained(folder):
-            print(f"[{args.label} {point}] trained already: skipped", flush=True)
-        else:
-            print(f"[{args.label} {point}] vllm-dflash2 {shlex.join(tcmd)}", flush=True)
-            wall = _run(tcmd, log)
-            commands.append({"point": point, "command": redact("vllm-dflash2 " + shlex.join(tcmd), args),
+
+        def child(cmd: list[str], done: bool, what: str) -> None:
+            """Run one `vllm-dflash2` child unless its result exists (a resumed curve)."""
+            if done:
+                print(f"[{args.label} {point}] {what} already: skipped", flush=True)
+                return
+            print(f"[{args.label} {point}] vllm-dflash2 {shlex.join(cmd)}", flush=True)
+            wall = _run(cmd, log)
+            commands.append({"point": point, "command": redact("vllm-dflash2 " + shlex.join(cmd), args),
                              "wall_seconds": round(wall, 1)})
+
+        child(train_command(args, recipe, point, folder), trained(folder), "trained")
         evaluation = None
         if point in vllm_points:
-            ecmd = eval_command(args, folder)
-            if (folder / "eval.json").is_file():
-                print(f"[{args.label} {point}] evaluated already: skipped", flush=True)
-            else:
-                print(f"[{args.label} {point}] vllm-dflash2 {shlex.join(ecmd)}", flush=True)
-                wall = _run(ecmd, log)
-                commands.append({"point": point, "command": redact("vllm-dflash2 " + shlex.join(ecmd), args),
-                                 "wall_seconds": round(wall, 1)})
+            child(eval_command(args, folder), (folder / "eval.json").is_file(), "evaluated")
             evaluation = json.loads((folder / "eval.json").read_text())
         run["points"][str(point)] = rec = point_record(folder, evaluation)
         rec["train_command"] = redact(json.loads((folder / "summary.json").read_text())

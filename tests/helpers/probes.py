@@ -115,20 +115,28 @@ def record_drafts(worker, on: bool = True) -> bool:
 
     Read and clear them with ``take_recorded_drafts``; ``on=False`` stops recording.
     """
+    def entry(drafter, hidden_states, tokens, probs):
+        k = drafter.num_speculative_tokens
+        return (tokens.view(-1, k).cpu().tolist(),
+                hidden_states.detach().float().cpu().view(-1, k, hidden_states.shape[-1]).clone())
+
+    return _record_sampling(worker, on, "_dflash2_recorded", entry)
+
+
+def _record_sampling(worker, on: bool, store: str, entry) -> bool:
+    """Wrap the drafter's ``_sample_draft_tokens`` so that every call appends
+    ``entry(drafter, hidden_states, tokens, probs)`` to the list ``drafter.<store>``
+    (reset now); ``on=False`` unwraps it."""
     drafter = worker.model_runner.drafter
     if not on:
         drafter.__dict__.pop("_sample_draft_tokens", None)
         return False
     original = type(drafter)._sample_draft_tokens.__get__(drafter)
-    drafter._dflash2_recorded = []
+    setattr(drafter, store, [])
 
     def recording(hidden_states, sampling_metadata):
         tokens, probs = original(hidden_states, sampling_metadata)
-        k = drafter.num_speculative_tokens
-        drafter._dflash2_recorded.append((
-            tokens.view(-1, k).cpu().tolist(),
-            hidden_states.detach().float().cpu().view(-1, k, hidden_states.shape[-1]).clone(),
-        ))
+        getattr(drafter, store).append(entry(drafter, hidden_states, tokens, probs))
         return tokens, probs
 
     drafter._sample_draft_tokens = recording
@@ -323,29 +331,19 @@ def record_draft_steps(worker, on: bool = True) -> bool:
     per request its id, the anchor's position and token, the K draft tokens and the
     dense draft probs handed to the rejection sampler (None when the batch is greedy).
     Read and clear with ``take_draft_steps``; ``on=False`` stops recording."""
-    drafter = worker.model_runner.drafter
-    if not on:
-        drafter.__dict__.pop("_sample_draft_tokens", None)
-        return False
-    original = type(drafter)._sample_draft_tokens.__get__(drafter)
-    drafter._dflash2_steps = []
-
-    def recording(hidden_states, sampling_metadata):
-        tokens, probs = original(hidden_states, sampling_metadata)
+    def entry(drafter, hidden_states, tokens, probs):
         k = drafter.num_speculative_tokens
         n = hidden_states.shape[0] // k
         stride = 1 + k
-        drafter._dflash2_steps.append({
+        return {
             "req_ids": list(worker.model_runner.input_batch.req_ids[:n]),
             "anchor_pos": drafter.positions[: n * stride : stride].cpu().tolist(),
             "anchor_id": drafter.input_ids[: n * stride : stride].cpu().tolist(),
             "tokens": tokens.view(n, k).cpu().tolist(),
             "probs": None if probs is None else probs.view(n, k, -1).float().cpu().clone(),
-        })
-        return tokens, probs
+        }
 
-    drafter._sample_draft_tokens = recording
-    return True
+    return _record_sampling(worker, on, "_dflash2_steps", entry)
 
 
 def take_draft_steps(worker) -> list[dict]:

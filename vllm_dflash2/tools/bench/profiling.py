@@ -234,6 +234,19 @@ def default_dtype() -> str:
     return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
 
 
+def cpu_flags() -> list[str]:
+    """The CPU features our numbers depend on (AVX2 only, or AVX-512 with bf16), for a
+    benchmark's JSON: machines differ between runs."""
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
+
+
 def benchmark_env() -> dict[str, str | None]:
     """The environment settings a CPU benchmark's numbers depend on, for its JSON."""
     import os
