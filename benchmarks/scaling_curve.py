@@ -47,6 +47,8 @@ from vllm_dflash2.tools.bench.profiling import cpu_flags
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POINTS = "247000,494000,988000,1976000,2470000"
 KINDS = ("code", "chat")
+# The shipped drafter's held-out tau floors (greedy, T = 1) per prompt kind: grey lines on the plot.
+FLOORS = {"code": {"T0": 2.5, "T1": 2.0}, "chat": {"T0": 1.8, "T1": 1.5}}
 
 
 def parse_points(text: str) -> list[int]:
@@ -196,6 +198,9 @@ def plot(result: dict, png: Path) -> None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e6:.3g}M" if x >= 1e6
                                                    else f"{x / 1e3:.3g}k"))
         ax.set_xlabel("answer tokens of training data")
+        for key, floor in FLOORS[kind].items():
+            ax.axhline(floor, color="grey", linestyle=styles[key][0], linewidth=1,
+                       label=f"floor {styles[key][2]}")
         ax.set_title(f"{kind} prompts")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
