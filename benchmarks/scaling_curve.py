@@ -170,6 +170,38 @@ def point_record(folder: Path, evaluation: dict | None) -> dict:
     return rec
 
 
+def _series(run: dict, kind: str, key: str) -> list[tuple[int, float]]:
+    """(answer tokens, tau) of one line: key "T0"/"T1" (vLLM) or "offline" (float32 greedy)."""
+    pts = sorted(run["points"].values(), key=lambda r: r["answer_tokens"])
+    get = ((lambda r: r["offline_tau"].get(kind)) if key == "offline"
+           else (lambda r: r.get("tau", {}).get(f"{key}/{kind}")))
+    return [(r["answer_tokens"], get(r)) for r in pts if get(r) is not None]
+
+
+def extrapolate(run: dict) -> dict:
+    """Least-squares tau = a + b * log2(tokens) per line with >= 2 points, and the data at
+    which the line would reach its floor (the offline line against the greedy floor: it is
+    the float32 greedy tau). A trend through a few points, not a law: it says how far off
+    a floor is, in doublings of the data, if each doubling keeps adding what it added."""
+    import math
+
+    fits = {}
+    for kind in KINDS:
+        for key in ("T0", "T1", "offline"):
+            xy = _series(run, kind, key)
+            if len(xy) < 2:
+                continue
+            xs, ys = [math.log2(x) for x, _ in xy], [y for _, y in xy]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            a = my - b * mx
+            floor = FLOORS[kind]["T0" if key == "offline" else key]
+            need = 2 ** ((floor - a) / b) if b > 0 else None
+            fits[f"{key}/{kind}"] = {"points": len(xy), "per_doubling": round(b, 4), "intercept_log2": round(a, 4),
+                                     "floor": floor, "answer_tokens_for_floor": None if need is None else round(need)}
+    return fits
+
+
 def plot(result: dict, png: Path) -> None:
     """One panel per prompt kind; colour: the label (recipe), line: vLLM greedy (solid),
     vLLM T = 1 (dotted), offline greedy estimate (dashed)."""
@@ -179,21 +211,31 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
+    import math
+
     styles = {"T0": ("-", "o", "vLLM T=0"), "T1": (":", "s", "vLLM T=1"), "offline": ("--", "x", "offline T=0")}
     fig, axes = plt.subplots(1, len(KINDS), figsize=(11, 4.5), sharey=True)
     for ax, kind in zip(axes, KINDS):
+        ticks = {r.get("max_answer_tokens") or r["answer_tokens"]
+                 for run in result["runs"].values() for r in run["points"].values()}
         for i, (label, run) in enumerate(result["runs"].items()):
-            pts = sorted(run["points"].values(), key=lambda r: r["answer_tokens"])
             for key, (ls, marker, name) in styles.items():
-                get = ((lambda r: r["offline_tau"].get(kind)) if key == "offline"
-                       else (lambda r, key=key: r.get("tau", {}).get(f"{key}/{kind}")))
-                xy = [(r["answer_tokens"], get(r)) for r in pts if get(r) is not None]
+                xy = _series(run, kind, key)
                 if xy:
                     ax.plot(*zip(*xy), linestyle=ls, marker=marker, color=f"C{i}", label=f"{label}: {name}")
+            fit = run.get("extrapolation", {}).get(f"offline/{kind}")
+            xy = _series(run, kind, "offline")
+            if fit and fit["per_doubling"] > 0:  # the float32 greedy trend, out to its floor (at most 64x)
+                x0 = xy[0][0]
+                x1 = min(max(fit["answer_tokens_for_floor"], 4 * xy[-1][0]), 64 * x0)
+                xs = [x0 * 2 ** (j / 4) for j in range(int(4 * math.log2(x1 / x0)) + 1)] + [x1]
+                ax.plot(xs, [fit["intercept_log2"] + fit["per_doubling"] * math.log2(x) for x in xs],
+                        linestyle="-.", linewidth=0.8, color=f"C{i}", alpha=0.6,
+                        label=f"{label}: offline trend ({fit['per_doubling']:+.2f}/doubling)")
+                ticks.add(round(xs[-1], -3))
         ax.set_xscale("log")
         ax.minorticks_off()  # ticks at the points' labels (the data a point used is within a sequence)
-        ax.set_xticks(sorted({r.get("max_answer_tokens") or r["answer_tokens"]
-                              for run in result["runs"].values() for r in run["points"].values()}))
+        ax.set_xticks(sorted(ticks))
         ax.tick_params(axis="x", labelrotation=35)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e6:.3g}M" if x >= 1e6
                                                    else f"{x / 1e3:.3g}k"))
@@ -288,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             child(eval_command(args, folder), (folder / "eval.json").is_file(), "evaluated")
             evaluation = json.loads((folder / "eval.json").read_text())
         run["points"][str(point)] = rec = point_record(folder, evaluation)
+        run["extrapolation"] = extrapolate(run)
         rec["train_command"] = redact(json.loads((folder / "summary.json").read_text())
                                       ["variants"]["dflash2"]["command"], args)
         print(f"[{args.label} {point}] " + json.dumps({k: rec.get(k) for k in

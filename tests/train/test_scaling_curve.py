@@ -169,6 +169,9 @@ def test_scaling_curve_end_to_end_and_resume(folders, target, tmp_path):
     assert len(cmds) == 3 and [c.split()[1] for c in cmds] == ["train", "eval", "train"]
     assert all(str(tmp_path) not in c for c in cmds)  # placeholders, not this machine's folders
     assert any("--num-speculative-tokens 3" in c and "--temperatures 0,1" in c for c in cmds)
+    # a trend needs two points: the offline lines have them, the vLLM lines (one point) not
+    assert set(run["extrapolation"]) == {"offline/code", "offline/chat"}
+    assert all(f["points"] == 2 for f in run["extrapolation"].values())
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -183,3 +186,42 @@ def test_scaling_curve_end_to_end_and_resume(folders, target, tmp_path):
     assert again.count("evaluated already: skipped") == 1
     assert json.loads(out.read_text())["runs"]["base"]["commands"] == run["commands"]
     assert stamps() == before
+
+
+def _load_curve_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scaling_curve", os.path.join(REPO, "benchmarks", "scaling_curve.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_extrapolation_fits_tau_per_doubling_and_the_data_a_floor_needs(tmp_path):
+    """The trend is a least-squares line in log2(tokens): three points on an exact line give
+    its slope and the tokens at its floor; a flat or falling line needs no amount of data."""
+    sc = _load_curve_module()
+
+    def point(tokens, code, chat, off_code, off_chat):
+        return {"answer_tokens": tokens, "max_answer_tokens": tokens,
+                "tau": {"T0/code": code, "T0/chat": chat, "T1/code": 1.5, "T1/chat": 1.3},
+                "offline_tau": {"code": off_code, "chat": off_chat}}
+
+    run = {"points": {str(t): point(t, 1.9 + 0.2 * i, 1.5 - 0.01 * i, 1.8 + 0.1 * i, 1.4)
+                      for i, t in enumerate((1000, 2000, 4000))}}
+    fits = sc.extrapolate(run)
+    assert fits["T0/code"]["per_doubling"] == pytest.approx(0.2) and fits["T0/code"]["points"] == 3
+    # 1.9 at 1000 tokens, +0.2 per doubling: 2.5 after 3 doublings
+    assert fits["T0/code"]["answer_tokens_for_floor"] == pytest.approx(8000, rel=1e-6)
+    # the offline line is judged against the greedy floor (it is the float32 greedy tau)
+    assert fits["offline/code"]["floor"] == sc.FLOORS["code"]["T0"]
+    assert fits["offline/code"]["answer_tokens_for_floor"] == pytest.approx(1000 * 2 ** 7, rel=1e-6)
+    assert fits["T0/chat"]["per_doubling"] < 0 and fits["T0/chat"]["answer_tokens_for_floor"] is None
+    assert fits["offline/chat"]["answer_tokens_for_floor"] is None  # flat: data alone never gets there
+    assert "T1/code" in fits and fits["T1/code"]["answer_tokens_for_floor"] is None
+    one = {"points": {"1000": point(1000, 1.9, 1.5, 1.8, 1.4)}}
+    assert sc.extrapolate(one) == {}  # one point is no trend
+    run["extrapolation"] = fits
+    png = tmp_path / "c.png"
+    sc.plot({"runs": {"base": run}}, png)  # the trend line drawn out to its floor
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
