@@ -56,6 +56,7 @@ import argparse
 import gc
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -487,7 +488,7 @@ def main():
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 
     from vllm_dflash2.tools import assets
-    from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
+    from vllm_dflash2.tools.bench.profiling import benchmark_env, cpu_flags, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     if args.target is None and args.dflash_drafter is None:
@@ -525,7 +526,8 @@ def main():
     config = {k: v for k, v in vars(args).items() if k not in ("target", "drafter", "dflash_drafter", "out")}
     config |= {"target": Path(args.target).name, "drafter": Path(args.drafter).name,
                "dflash_drafter": Path(args.dflash_drafter).name if args.dflash_drafter else None,
-               "cpus": os.cpu_count(), "prompts": len(prompts), "env": benchmark_env()}
+               "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+               "cpu_flags": cpu_flags(), "prompts": len(prompts), "env": benchmark_env()}
     result = {"config": config, "rows": rows}
     if controller is not None:  # offline adaptive: what it measured and chose per batch bucket
         result["adaptive_controller"] = controller
