@@ -189,7 +189,7 @@ def extrapolate(run: dict) -> dict:
     for kind in KINDS:
         for key in ("T0", "T1", "offline"):
             xy = _series(run, kind, key)
-            if len(xy) < 2:
+            if len({x for x, _ in xy}) < 2:  # points short of data can share a size: no slope
                 continue
             xs, ys = [math.log2(x) for x, _ in xy], [y for _, y in xy]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -232,13 +232,13 @@ def plot(result: dict, png: Path) -> None:
                 ax.plot(xs, [fit["intercept_log2"] + fit["per_doubling"] * math.log2(x) for x in xs],
                         linestyle="-.", linewidth=0.8, color=f"C{i}", alpha=0.6,
                         label=f"{label}: offline trend ({fit['per_doubling']:+.2f}/doubling)")
-                ticks.add(round(xs[-1], -3))
+                ticks.add(xs[-1])
         ax.set_xscale("log")
         ax.minorticks_off()  # ticks at the points' labels (the data a point used is within a sequence)
         ax.set_xticks(sorted(ticks))
         ax.tick_params(axis="x", labelrotation=35)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e6:.3g}M" if x >= 1e6
-                                                   else f"{x / 1e3:.3g}k"))
+                                                   else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.0f}"))
         ax.set_xlabel("answer tokens of training data")
         for key, floor in FLOORS[kind].items():
             ax.axhline(floor, color="grey", linestyle=styles[key][0], linewidth=1,

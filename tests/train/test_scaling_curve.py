@@ -221,6 +221,8 @@ def test_extrapolation_fits_tau_per_doubling_and_the_data_a_floor_needs(tmp_path
     assert "T1/code" in fits and fits["T1/code"]["answer_tokens_for_floor"] is None
     one = {"points": {"1000": point(1000, 1.9, 1.5, 1.8, 1.4)}}
     assert sc.extrapolate(one) == {}  # one point is no trend
+    same = {"points": {"1000": point(1000, 1.9, 1.5, 1.8, 1.4), "2000": point(1000, 2.0, 1.6, 1.9, 1.5)}}
+    assert sc.extrapolate(same) == {}  # two points short of data at one size: no slope
     run["extrapolation"] = fits
     png = tmp_path / "c.png"
     sc.plot({"runs": {"base": run}}, png)  # the trend line drawn out to its floor
