@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -183,8 +184,6 @@ def extrapolate(run: dict) -> dict:
     which the line would reach its floor (the offline line against the greedy floor: it is
     the float32 greedy tau). A trend through a few points, not a law: it says how far off
     a floor is, in doublings of the data, if each doubling keeps adding what it added."""
-    import math
-
     fits = {}
     for kind in KINDS:
         for key in ("T0", "T1", "offline"):
@@ -210,8 +209,6 @@ def plot(result: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
-
-    import math
 
     styles = {"T0": ("-", "o", "vLLM T=0"), "T1": (":", "s", "vLLM T=1"), "offline": ("--", "x", "offline T=0")}
     fig, axes = plt.subplots(1, len(KINDS), figsize=(11, 4.5), sharey=True)

@@ -3,13 +3,13 @@ carries, the run's stages under its wall-clock plan, and the split export's reas
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SH = ROOT / "recipes" / "gpu" / "run.sh"
@@ -17,10 +17,7 @@ RUN_SH = ROOT / "recipes" / "gpu" / "run.sh"
 
 @pytest.fixture(scope="module")
 def driver():
-    spec = importlib.util.spec_from_file_location("gpu_recipe_driver", ROOT / "recipes" / "gpu" / "driver.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "recipes" / "gpu" / "driver.py", "gpu_recipe_driver")
 
 
 def test_pieces_verify_and_reassemble(tmp_path, driver):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers.scripts import load_script
 
 from vllm_dflash2.train import shards
 
@@ -188,19 +189,10 @@ def test_scaling_curve_end_to_end_and_resume(folders, target, tmp_path):
     assert stamps() == before
 
 
-def _load_curve_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("scaling_curve", os.path.join(REPO, "benchmarks", "scaling_curve.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_extrapolation_fits_tau_per_doubling_and_the_data_a_floor_needs(tmp_path):
     """The trend is a least-squares line in log2(tokens): three points on an exact line give
     its slope and the tokens at its floor; a flat or falling line needs no amount of data."""
-    sc = _load_curve_module()
+    sc = load_script(os.path.join(REPO, "benchmarks", "scaling_curve.py"), "scaling_curve")
 
     def point(tokens, code, chat, off_code, off_chat):
         return {"answer_tokens": tokens, "max_answer_tokens": tokens,
