@@ -2,7 +2,7 @@
 
 Offline (the engine's own request loop) and served (our server on 127.0.0.1 driven by
 ``vllm bench serve --max-concurrency c``), greedy and temperature 1, held-out prompts
-(``examples/prompts``), every request ``--max-tokens`` long (``ignore_eos``).
+(``vllm_dflash2/train/held_out``), every request ``--max-tokens`` long (``ignore_eos``).
 
 Concurrency c means c requests in flight all the time (``--load sustained``, the default):
 offline, a new request starts as soon as one finishes, and the clock stops once

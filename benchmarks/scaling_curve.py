@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     run.update(recipe=recipe, offline_prompts=args.offline_prompts,
                eval={"k": args.k, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
                      "concurrency": args.concurrency, "dtype": args.dtype,
-                     "prompts": args.prompts or "examples/prompts (built-in held-out set)",
+                     "prompts": args.prompts or "built-in held-out set (vllm_dflash2/train/held_out)",
                      "vllm_points": sorted(vllm_points)})
     commands = run.setdefault("commands", [])
 

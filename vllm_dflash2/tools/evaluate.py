@@ -2,7 +2,7 @@
 
 Runs the target with and without ``speculative_config={"method": "dflash", ...}`` on a
 prompt file (jsonl with {"prompt", "kind"} or plain text, one prompt a line) or the
-built-in held-out set (``examples/prompts``), greedy and/or temperature 1, and reads
+built-in held-out set (``vllm_dflash2/train/held_out``), greedy and/or temperature 1, and reads
 vLLM's spec-decode counters. Writes JSON and a PNG of per-position acceptance.
 ``--offline`` instead uses the pure-torch estimator of ``vllm_dflash2.train.estimate``.
 Entry point: ``vllm_dflash2.tools.evaluate:main``.
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = _load_prompts(args.prompts)
     temps = [float(t) for t in args.temperatures.split(",")]
     result = {"target": Path(target).name, "k": args.num_speculative_tokens, "max_tokens": args.max_tokens,
-              "prompts": args.prompts or "examples/prompts (built-in held-out set)", "spec": {}}
+              "prompts": args.prompts or "built-in held-out set (vllm_dflash2/train/held_out)", "spec": {}}
     if args.offline:
         import torch
 

@@ -83,7 +83,7 @@ every prompt answered by the target's greedy decoding (max {ds.get('max_new_toke
 {ds.get('dropped_short', 'n/a')}, as resembling a held-out prompt: {ds.get('dropped_held_out', 'n/a')}.
 Features (layers {ds.get('layer_ids')}) and the target's top-{ds.get('teacher_top_n')} next-token
 distributions (soft labels) are captured in the same forward passes. Held-out eval prompts
-(`examples/prompts/`) are hand-written and never enter training.{subset}
+(`vllm_dflash2/train/held_out/`) are hand-written and never enter training.{subset}
 
 ## Training
 

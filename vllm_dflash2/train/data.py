@@ -68,14 +68,24 @@ def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
     return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
 
 
+HELD_OUT_DIR = Path(__file__).resolve().parent / "held_out"
+HELD_OUT_FILES = ("code.jsonl", "chat.jsonl")
+
+
 def held_out_prompts(root: Path | None = None) -> list[dict]:
-    """The held-out eval prompts shipped in ``examples/prompts`` (code + chat)."""
-    root = root or Path(__file__).resolve().parents[2] / "examples" / "prompts"
+    """The held-out eval prompts (code + chat) shipped in the package, ``train/held_out/``.
+
+    A missing file is an error, not an empty set: datagen's held-out filter and ``eval``'s
+    default prompts would otherwise go quietly wrong (an install without the package data)."""
+    root = Path(root) if root is not None else HELD_OUT_DIR
     out = []
-    for name in ("code.jsonl", "chat.jsonl"):
+    for name in HELD_OUT_FILES:
         p = root / name
-        if p.is_file():
-            out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"held-out prompt file {p} is missing: the vllm_dflash2 install lacks its "
+                "package data (train/held_out/*.jsonl); reinstall the package")
+        out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return out
 
 
