@@ -42,7 +42,8 @@ def main():
 
     from vllm_dflash2.tools import assets
     from vllm_dflash2.tools.bench.load import chat_prompts, sustained
-    from vllm_dflash2.tools.bench.profiling import adaptive_state, benchmark_env, default_dtype
+    from vllm_dflash2.tools.bench.profiling import adaptive_state
+    from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     spec = {"method": "dflash", "model": args.drafter or str(assets.default_drafter()),

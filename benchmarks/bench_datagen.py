@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_dflash2.tools.bench.profiling import cpu_flags
+from vllm_dflash2.tools.machine import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -488,7 +488,7 @@ def main():
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 
     from vllm_dflash2.tools import assets
-    from vllm_dflash2.tools.bench.profiling import benchmark_env, cpu_flags, default_dtype
+    from vllm_dflash2.tools.machine import benchmark_env, cpu_flags, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     if args.target is None and args.dflash_drafter is None:

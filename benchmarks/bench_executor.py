@@ -135,7 +135,7 @@ def main():
         return child(args)
 
     from vllm_dflash2.tools import assets
-    from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
+    from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
     if "no_spec" not in args.methods:
         args.methods.insert(0, "no_spec")  # every ratio is against it

@@ -201,9 +201,9 @@ def main():
         parser.error("--k0-direct compares against the k = 0 column: add 0 to -k")
 
     from vllm_dflash2.tools import assets
-    from vllm_dflash2.tools.bench import profiling
+    from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
-    args.dtype = args.dtype or profiling.default_dtype()
+    args.dtype = args.dtype or default_dtype()
     target = args.target or str(assets.ensure_target())
     drafter = args.drafter or str(assets.default_drafter())
     # Every column's engine is up at once and each round measures them one after the
@@ -244,7 +244,7 @@ def main():
     result = {
         "config": vars(args) | {"target": Path(target).name, "drafter": Path(drafter).name,
                                 "out": Path(args.out).name,  # no machine paths in results
-                                "threads": os.cpu_count(), "env": profiling.benchmark_env(),
+                                "threads": os.cpu_count(), "env": benchmark_env(),
                                 "column_env": column_env},
         "no_spec": base | {"split_ms": split(base)},
         "dflash2": {str(k): r | {"split_ms": split(r),

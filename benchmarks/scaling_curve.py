@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_dflash2.tools.bench.profiling import cpu_flags
+from vllm_dflash2.tools.machine import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POINTS = "247000,494000,988000,1976000,2470000"
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(d) / "manifest.json").is_file():
             raise SystemExit(f"--data: {d} has no manifest.json; expected a `vllm-dflash2 datagen` folder")
     if args.dtype is None:
-        from vllm_dflash2.tools.bench.profiling import default_dtype
+        from vllm_dflash2.tools.machine import default_dtype
 
         args.dtype = default_dtype()
 

@@ -82,7 +82,7 @@ def main():
     from bench_e2e import load_prompts
 
     from vllm_dflash2.tools import assets
-    from vllm_dflash2.tools.bench.profiling import benchmark_env, default_dtype
+    from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     args.target = args.target or str(assets.ensure_target())

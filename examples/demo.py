@@ -102,7 +102,7 @@ def main() -> int:
         parser.error(f"--num-speculative-tokens {args.num_speculative_tokens}: expected >= 1")
 
     from vllm_dflash2.tools import assets
-    from vllm_dflash2.tools.bench.profiling import default_dtype
+    from vllm_dflash2.tools.machine import default_dtype
 
     dtype = args.dtype or default_dtype()
     target = assets.ensure_target()

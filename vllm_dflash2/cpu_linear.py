@@ -1,7 +1,7 @@
 """The CPU backend's float32 linear layers on our packed AVX2 kernel.
 
 vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with
-AVX2 but no AVX-512 (where ``tools.bench.profiling.default_dtype`` picks float32), that GEMM
+AVX2 but no AVX-512 (where ``tools.machine.default_dtype`` picks float32), that GEMM
 takes 1.29x the packed kernel's time at one row, and ~1.35x its own one-row time at
 the 8 rows of a K = 7 verification step. ``ops.packed_linear`` (csrc/cpu/
 packed_linear.cpp) is the same product over a weight packed once at load time:

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
 
     from .assets import default_drafter, ensure_target
-    from .bench.profiling import default_dtype
+    from .machine import default_dtype
 
     args.dtype = args.dtype or default_dtype()
 
