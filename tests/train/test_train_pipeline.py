@@ -441,3 +441,68 @@ def test_train_reads_several_data_folders(tmp_path, capsys, tiny_run):
         cli.main(common + ["--data", str(data), "--micro-batch-seqs", "3"])
     with pytest.raises(SystemExit, match=r"--variants: got 'eagle'"):
         cli.main(common + ["--data", str(data), "--variants", "eagle"])
+
+
+def test_init_from_starts_from_the_drafters_weights(tmp_path, tiny_run):
+    """``train --init-from D``: the first step's loss is D's own loss on that step's batch
+    (computed here independently, from the exported folder); a drafter trained from the
+    target's weights instead starts elsewhere, so a broken init fails the equality. The export
+    records the lineage; flags that contradict D and drafters for another target are refused."""
+    from vllm_dflash2.train import cli
+    from vllm_dflash2.train.loop import collate, draw
+    from vllm_dflash2.train.model import drafter_head
+    from vllm_dflash2.train.shards import read_shards
+
+    tpath, data_dir = tiny_run
+    base = ["--target", str(tpath), "--data", str(data_dir), "--batch-seqs", "2", "--blocks-per-seq", "3",
+            "--threads", "1", "--no-progress", "--ckpt-every", "50"]
+    arch = ["--layers", "1", "--intermediate-size", "64", "--block-size", "4", "--conv-group-size", "8",
+            "--selector-rank", "4", "--target-layer-ids", "0,3", "--mask-token-id", "5"]
+    d0, d1 = tmp_path / "d0", tmp_path / "d1"
+    assert cli.main(base + arch + ["--candidate-vocab", "64", "--max-steps", "6", "--lr", "3e-3",
+                                   "--out", str(tmp_path / "w0"), "--export", str(d0)]) == 0
+    assert (d0 / "candidate_vocab.json").is_file()
+
+    # One step from d0 (new seed, so a batch d0 never saw), no architecture flags.
+    assert cli.main(base + ["--init-from", str(d0), "--max-steps", "1", "--seed", "7",
+                            "--out", str(tmp_path / "w1"), "--export", str(d1)]) == 0
+    first = json.loads((tmp_path / "w1" / "history_dflash2.json").read_text())[0]["loss"]
+
+    target, _, _ = cli.load_target(str(tpath))
+    data, _ = read_shards(str(data_dir))
+    drafter = load_native(d0)
+    feats, tokens, anchors, teacher = collate(data, draw(data, random.Random("7:0"), 2, 3),
+                                              drafter.cfg.block_size, with_teacher=True)
+    embed = target.get_input_embeddings().weight.float()
+    with torch.no_grad():
+        own, _ = block_loss(drafter, drafter(feats, tokens, anchors, embed), tokens, anchors,
+                            drafter_head(target, d0), 4.0, teacher)
+    assert first == pytest.approx(float(own), rel=2e-4)
+    # The same step from the target's weights (what a lost init would do) is far from it.
+    assert cli.main(base + arch + ["--candidate-vocab", "64", "--max-steps", "1", "--seed", "7",
+                                   "--out", str(tmp_path / "w2")]) == 0
+    scratch = json.loads((tmp_path / "w2" / "history_dflash2.json").read_text())[0]["loss"]
+    assert abs(scratch - float(own)) > 0.05 * float(own), (scratch, float(own))
+
+    conf = json.loads((d1 / "config.json").read_text())
+    assert conf["vllm_dflash2_init_from"] == {"name": "d0", "steps": 6}
+    assert conf["vllm_dflash2_train_step"] == 7
+    assert json.loads((d1 / "candidate_vocab.json").read_text()) == \
+        json.loads((d0 / "candidate_vocab.json").read_text())
+    summary = json.loads((tmp_path / "w1" / "summary.json").read_text())
+    assert summary["variants"]["dflash2"]["init_from"]["name"] == "d0"
+
+    refuse = base + ["--init-from", str(d0), "--max-steps", "1", "--out", str(tmp_path / "w3")]
+    with pytest.raises(SystemExit, match=r"--layers=2 contradicts --init-from=.*num_hidden_layers=1"):
+        cli.main(refuse + ["--layers", "2"])
+    with pytest.raises(SystemExit, match=r"--draft-field use_swa=true contradicts --init-from"):
+        cli.main(refuse + ["--draft-field", "use_swa=true"])
+    with pytest.raises(SystemExit, match=r"--variants='dflash' .*expected --variants dflash2"):
+        cli.main(refuse + ["--variants", "dflash"])
+    with pytest.raises(SystemExit, match=r"--init-from=.*nowhere: no config.json"):
+        cli.main(base + ["--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "w4")])
+    from vllm_dflash2.tools.tiny_models import build_tiny_target
+
+    wide = build_tiny_target(tmp_path / "wide", hidden_size=96, num_layers=4, seed=2)
+    with pytest.raises(SystemExit, match=r"--init-from=.*not a drafter for this target"):
+        cli.main(["--target", str(wide)] + refuse[2:])

@@ -33,6 +33,16 @@ from .model import DraftConfig, Head, param_count
 from .vocab import coverage, rank_tokens, write as write_vocab
 
 
+# Model flags and their defaults for a drafter trained from scratch (see --init-from).
+ARCH_DEFAULTS = {"layers": 2, "intermediate_size": 1536, "mask_token_id": 16, "block_size": 8,
+                 "selector_rank": 32, "conv_group_size": 16}
+# Flag -> DraftConfig field, for the flags an --init-from drafter fixes.
+ARCH_FIELDS = {"layers": "num_hidden_layers", "intermediate_size": "intermediate_size",
+               "mask_token_id": "mask_token_id", "block_size": "block_size",
+               "selector_rank": "selector_rank", "conv_group_size": "conv_group_size",
+               "target_layer_ids": "target_layer_ids"}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-dflash2 train", description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", required=True, metavar="DIR",
@@ -48,13 +58,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="work folder: checkpoints, histories, exports, summary")
     p.add_argument("--variants", default="dflash2", help="comma list of dflash2,dflash")
     # model
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=1536)
+    # Architecture flags default to None: with --init-from the drafter's own values apply,
+    # and a flag that contradicts them is refused rather than silently ignored.
+    p.add_argument("--layers", type=int, default=None, help=f"default {ARCH_DEFAULTS['layers']}")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help=f"default {ARCH_DEFAULTS['intermediate_size']}")
     p.add_argument("--target-layer-ids", default=None, help="comma list (default: 5 evenly spaced)")
-    p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--selector-rank", type=int, default=32)
-    p.add_argument("--conv-group-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None, help=f"default {ARCH_DEFAULTS['mask_token_id']}")
+    p.add_argument("--block-size", type=int, default=None, help=f"default {ARCH_DEFAULTS['block_size']}")
+    p.add_argument("--selector-rank", type=int, default=None, help=f"default {ARCH_DEFAULTS['selector_rank']}")
+    p.add_argument("--conv-group-size", type=int, default=None,
+                   help=f"default {ARCH_DEFAULTS['conv_group_size']}")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="continue training this drafter folder (ours or a published one in a supported "
+                        "layout) on --data: its architecture, weights and candidate vocabulary; the "
+                        "optimizer and learning-rate schedule start afresh")
     p.add_argument("--draft-field", action="append", default=[], metavar="NAME=JSON",
                    help="any other DraftConfig field (the published DFlash2 layouts), e.g. "
                         "use_swa=true, swa_window_size=2048, final_logit_softcapping=30.0, "
@@ -108,20 +126,73 @@ def load_target(path: str | None):
 
 def make_config(args, tconf, variant: str) -> DraftConfig:
     nl = int(tconf.num_hidden_layers)
-    ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
-           else default_layer_ids(nl))
+    ids = layer_ids_flag(args) or default_layer_ids(nl)
+    arch = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in ARCH_DEFAULTS.items()}
     rope = getattr(tconf, "rope_parameters", None) or {}
     return DraftConfig(
-        hidden_size=int(tconf.hidden_size), intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.layers, num_attention_heads=int(tconf.num_attention_heads),
+        hidden_size=int(tconf.hidden_size), intermediate_size=arch["intermediate_size"],
+        num_hidden_layers=arch["layers"], num_attention_heads=int(tconf.num_attention_heads),
         num_key_value_heads=int(tconf.num_key_value_heads),
         head_dim=int(getattr(tconf, "head_dim", None) or tconf.hidden_size // tconf.num_attention_heads),
         rms_norm_eps=float(tconf.rms_norm_eps), rope_theta=float(rope.get("rope_theta", 100000.0)),
         vocab_size=int(tconf.vocab_size), target_hidden_size=int(tconf.hidden_size),
-        target_layer_ids=ids, mask_token_id=args.mask_token_id if args.mask_token_id is not None else 16,
-        block_size=args.block_size, conv_group_size=args.conv_group_size,
-        selector_rank=args.selector_rank, variant=variant, **draft_fields(args.draft_field),
+        target_layer_ids=ids, mask_token_id=arch["mask_token_id"],
+        block_size=arch["block_size"], conv_group_size=arch["conv_group_size"],
+        selector_rank=arch["selector_rank"], variant=variant, **draft_fields(args.draft_field),
     )
+
+
+def layer_ids_flag(args) -> list[int] | None:
+    if not args.target_layer_ids:
+        return None
+    try:
+        return [int(x) for x in args.target_layer_ids.split(",")]
+    except ValueError:
+        raise SystemExit(f"--target-layer-ids={args.target_layer_ids!r}: expected comma-separated "
+                         f"integers") from None
+
+
+def load_init(args, target_path: str, variants: list[str]):
+    """The ``--init-from`` drafter as a float32 ``DraftModel`` and its candidate vocabulary,
+    after the checks the engine would run against this target; flags that contradict
+    its architecture are refused by name."""
+    from types import SimpleNamespace
+
+    from ..drafter_format import load_candidate_vocab
+    from ..validation import target_spec_from_dir, validate_drafter
+    from .model import load_native
+
+    path = Path(args.init_from)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--init-from={args.init_from}: no config.json there; expected a drafter "
+                         f"folder (config.json + *.safetensors)")
+    problems = validate_drafter(path, target_spec_from_dir(target_path), None, runner=None)
+    if problems:
+        raise SystemExit(f"--init-from={args.init_from}: not a drafter for this target: "
+                         + "; ".join(str(p) for p in problems))
+    try:
+        model = load_native(path, torch.float32)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise SystemExit(f"--init-from={args.init_from}: cannot load it as a drafter: {exc}") from None
+    cfg = model.cfg
+    if variants != [cfg.variant]:
+        raise SystemExit(f"--variants={args.variants!r} with --init-from={args.init_from}: the drafter "
+                         f"is a {cfg.variant} drafter; expected --variants {cfg.variant}")
+    given = {"target_layer_ids": layer_ids_flag(args), "draft_field": draft_fields(args.draft_field)}
+    given.update({k: getattr(args, k) for k in ARCH_DEFAULTS})
+    for flag, fieldname in ARCH_FIELDS.items():
+        if given[flag] is not None and given[flag] != getattr(cfg, fieldname):
+            raise SystemExit(f"--{flag.replace('_', '-')}={given[flag]} contradicts --init-from="
+                             f"{args.init_from} ({fieldname}={getattr(cfg, fieldname)}); expected the "
+                             f"drafter's value or no flag")
+    for name, value in given["draft_field"].items():
+        if getattr(cfg, name) != value:
+            raise SystemExit(f"--draft-field {name}={json.dumps(value)} contradicts --init-from="
+                             f"{args.init_from} ({name}={getattr(cfg, name)!r}); expected the drafter's "
+                             f"value or no flag")
+    conf = json.loads((path / "config.json").read_text())
+    vocab = load_candidate_vocab(path, SimpleNamespace(**conf))
+    return model, vocab
 
 
 def draft_fields(items: list[str]) -> dict:
@@ -263,7 +334,8 @@ def train(args, d: Dist | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, tok, tpath = load_target(args.target)
-    cfgs = {v: make_config(args, target.config, v) for v in variants}
+    init, init_vocab = load_init(args, tpath, variants) if args.init_from else (None, None)
+    cfgs = {v: (init.cfg if init is not None else make_config(args, target.config, v)) for v in variants}
     layer_ids = cfgs[variants[0]].target_layer_ids
     embed = target.get_input_embeddings().weight.detach().float().to(d.device)
     log = print if d.main else (lambda *a, **k: None)
@@ -275,7 +347,11 @@ def train(args, d: Dist | None = None) -> dict:
         log(f"WARNING: --max-answer-tokens={args.max_answer_tokens} but the data holds only "
             f"{info['answer_tokens']} answer tokens (--allow-less): training on all of them", flush=True)
     vocab_size = int(target.config.vocab_size)
-    vocab, vocab_info = candidate_vocab(data, vocab_size, args.candidate_vocab)
+    if init is not None and init_vocab is not None:  # the drafter's own: its loss is unchanged at step 0
+        vocab = init_vocab
+        vocab_info = {"size": int(vocab.numel()), "from": "--init-from"}
+    else:
+        vocab, vocab_info = candidate_vocab(data, vocab_size, args.candidate_vocab)
     d.check_same(vocab, "candidate vocabulary")
     lm_head = target.get_output_embeddings().weight.detach().float()
     head = head_to(Head(lm_head, vocab), d.device)  # shared lm_head
@@ -288,12 +364,18 @@ def train(args, d: Dist | None = None) -> dict:
     summary.update(target=Path(tpath).name, dataset=info, candidate_vocab=vocab_info)
     held = held_out_prompts()
     for v in variants:
-        res = train_variant(args, v, cfgs[v], target, data, head, embed, out, scale, d)
+        res = train_variant(args, v, cfgs[v], target, data, head, embed, out, scale, d, init=init)
         if not d.main:
             continue  # rank 0 alone exports, evaluates and writes; the others go on to the next variant
         model, st = res["model"].cpu(), res["state"]
         export = out / f"export_{v}"
         extra = {"vllm_dflash2_train_step": st["step"]}
+        if init is not None:  # the lineage: steps of this run on top of the drafter's own
+            conf = json.loads((Path(args.init_from) / "config.json").read_text())
+            prior = conf.get("vllm_dflash2_train_step")
+            extra["vllm_dflash2_init_from"] = {"name": Path(args.init_from).name, "steps": prior}
+            if isinstance(prior, int):
+                extra["vllm_dflash2_train_step"] = prior + st["step"]
         model.save_native(export, extra=extra)
         if vocab is not None:
             write_vocab(export, vocab)
@@ -314,6 +396,8 @@ def train(args, d: Dist | None = None) -> dict:
                                                 head=Head(lm_head.cpu(), vocab), budget_s=budget)
             log(f"{v} offline tau: " + json.dumps({k: round(x["tau"], 3) for k, x in entry["offline_tau"].items()
                                                     if isinstance(x, dict)}), flush=True)
+        if init is not None:
+            entry["init_from"] = extra["vllm_dflash2_init_from"]
         summary["variants"][v] = entry
         (out / f"history_{v}.json").write_text(json.dumps(st["history"]))
         summary_path.write_text(json.dumps(summary, indent=1))

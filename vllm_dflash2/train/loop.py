@@ -113,8 +113,17 @@ def head_to(head: Head, device: torch.device) -> Head:
     return head
 
 
-def _new_model(args, cfg: DraftConfig, target, scale: torch.Tensor | None) -> DraftModel:
+def _new_model(args, cfg: DraftConfig, target, scale: torch.Tensor | None,
+               init: DraftModel | None = None) -> DraftModel:
     model = DraftModel(cfg)
+    if init is not None:  # --init-from: the drafter's weights, the same function of the features
+        model.load_state_dict(init.state_dict())
+        if scale is not None:
+            # Exports fold the scale into fc; unfold it for training: fc(f / s) with W * s is W f.
+            model.set_feature_scale(scale.cpu())
+            with torch.no_grad():
+                model.fc.weight.mul_(model.feat_scale / init.feat_scale)
+        return model
     if scale is not None:
         model.set_feature_scale(scale.cpu())
     if args.init == "target":
@@ -128,15 +137,17 @@ def _new_model(args, cfg: DraftConfig, target, scale: torch.Tensor | None) -> Dr
 
 
 def train_variant(args, variant: str, cfg: DraftConfig, target, data, head: Head, embed, out: Path,
-                  scale: torch.Tensor | None = None, d: Dist | None = None) -> dict:
-    """Train one variant until its budget ends; checkpoints allow resuming (any world size)."""
+                  scale: torch.Tensor | None = None, d: Dist | None = None,
+                  init: DraftModel | None = None) -> dict:
+    """Train one variant until its budget ends; checkpoints allow resuming (any world size).
+    ``init``: start from this drafter's weights (``--init-from``) instead of the target's."""
     from tqdm.auto import tqdm
 
     d = d or Dist()
     dev = d.device
     micro, n_micro = micro_batches(args.batch_seqs, args.micro_batch_seqs, d.world)
     mine = range(d.rank * n_micro // d.world, (d.rank + 1) * n_micro // d.world)
-    model = _new_model(args, cfg, target, scale).to(dev)
+    model = _new_model(args, cfg, target, scale, init).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     st = {"step": 0, "elapsed": 0.0, "history": []}
     ck = out / f"ckpt_{variant}.pt"
