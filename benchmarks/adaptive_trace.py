@@ -40,7 +40,7 @@ def main():
     from bench_e2e import load_prompts
     from vllm import LLM, SamplingParams
 
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
     from vllm_dflash2.tools.bench.load import chat_prompts, sustained
     from vllm_dflash2.tools.bench.profiling import adaptive_state
     from vllm_dflash2.tools.machine import benchmark_env, default_dtype

@@ -117,7 +117,7 @@ def run_datagen(engine: str, out: Path, args) -> dict:
 
 
 def run_answers(capture: bool, data: Path, args, layer_ids: list[int], tmp: Path) -> dict:
-    from vllm_dflash2.tools.assets import ensure_target
+    from vllm_dflash2.assets import ensure_target
 
     conf = {"target": args.target or str(ensure_target()), "dtype": args.dtype, "tensor_parallel_size": 1,
             "max_model_len": args.max_model_len, "concurrency": args.concurrency, "seed": args.seed,

@@ -487,7 +487,7 @@ def main():
     if args.step_record:
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
     from vllm_dflash2.tools.machine import benchmark_env, cpu_flags, default_dtype
 
     args.dtype = args.dtype or default_dtype()

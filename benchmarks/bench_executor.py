@@ -134,7 +134,7 @@ def main():
     if args.child:
         return child(args)
 
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
     from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
     if "no_spec" not in args.methods:

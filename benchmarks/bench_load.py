@@ -135,7 +135,7 @@ def main() -> int:
     if args.target and args.drafter:
         target, drafter, models = Path(args.target), Path(args.drafter), "given"
     elif args.models == "assets":
-        out = subprocess.run([sys.executable, "-m", "vllm_dflash2.tools.assets"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "vllm_dflash2.assets"], capture_output=True,
                              text=True, check=True).stdout
         found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
         target, drafter, models = Path(found["target"]), Path(found["drafter"]), "assets"

@@ -200,7 +200,7 @@ def main():
     if args.k0_direct and 0 not in args.k:
         parser.error("--k0-direct compares against the k = 0 column: add 0 to -k")
 
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
     from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()

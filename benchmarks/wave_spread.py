@@ -81,7 +81,7 @@ def main():
 
     from bench_e2e import load_prompts
 
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
     from vllm_dflash2.tools.machine import benchmark_env, default_dtype
 
     args.dtype = args.dtype or default_dtype()

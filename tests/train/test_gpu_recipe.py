@@ -94,8 +94,8 @@ def test_on_device_adapter_keeps_generation_identical(tmp_path, driver):
     """The adapter that runs ``generate_dataset`` with the target on a GPU, exercised with the
     CPU as the device: same sequences, features and soft labels; the lm_head is restored."""
     from vllm_dflash2.tools.tiny_models import build_tiny_target
-    from vllm_dflash2.train.cli import load_target
     from vllm_dflash2.train.data import generate_dataset, make_jobs
+    from vllm_dflash2.train.target import load_target
 
     target, tok, _ = load_target(str(build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=4)))
     jobs = make_jobs(tok, 4, stdlib_fraction=0.0, seed=3)

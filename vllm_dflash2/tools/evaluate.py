@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
 
-    from .assets import default_drafter, ensure_target
+    from ..assets import default_drafter, ensure_target
     from .machine import default_dtype
 
     args.dtype = args.dtype or default_dtype()
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline:
         import torch
 
-        from ..train.cli import load_target
+        from ..train.target import load_target
         from ..train.estimate import estimate_tau
         from ..train.model import drafter_head, load_native
 

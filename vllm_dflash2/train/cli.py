@@ -30,6 +30,7 @@ from .dist import Dist
 from .estimate import estimate_tau
 from .loop import head_to, micro_batches, train_variant
 from .model import DraftConfig, Head, param_count
+from .target import load_target
 from .vocab import coverage, rank_tokens, write as write_vocab
 
 
@@ -109,19 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dflash", default=None, help="copy the plain DFlash export here at the end")
     p.add_argument("--no-progress", action="store_true")
     return p
-
-
-def load_target(path: str | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if path is None:
-        from ..tools.assets import ensure_target
-
-        path = str(ensure_target())
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval().requires_grad_(False)
-    return model, tok, path
 
 
 def make_config(args, tconf, variant: str) -> DraftConfig:

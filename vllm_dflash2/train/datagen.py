@@ -142,7 +142,7 @@ def check_args(args) -> dict:
     if args.handoff == "memory" and args.tensor_parallel_size != 1:
         bad("handoff", "memory", "file when --tensor-parallel-size > 1 (workers are other processes)")
     if args.target is None:
-        from ..tools.assets import ensure_target
+        from ..assets import ensure_target
 
         args.target = str(ensure_target())
     cfg = _target_config(args.target)
