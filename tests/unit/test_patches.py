@@ -373,3 +373,102 @@ def test_zero_draft_shortcut_leaves_other_engines_samplers_alone(monkeypatch):
         draws.clear()
         holder.forward(sampler, no_drafts, None, logits.clone(), _sampling(3, 1.0, [1, 2, 3]))
         assert draws == ([] if shortcut else [1]), (every, marked)
+
+
+def _seeded_runner_module():
+    """A stand-in for vllm.v1.worker.gpu_model_runner: a runner whose _sample draws one
+    exponential per seeded request (as vLLM's random sampler does) and whose
+    _bookkeeping_sync is upstream's discard loop, verbatim in effect."""
+    from types import ModuleType, SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    class GPUModelRunner:
+        def __init__(self, seeds, discard):
+            generators = {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)
+                          if s is not None}
+            self.input_batch = SimpleNamespace(generators=generators, num_reqs=len(seeds))
+            self.sampling_generators = generators  # the sampling metadata's dict
+            self.discard_request_mask = SimpleNamespace(np=np.array(discard + [False] * 3))
+
+        def _sample(self, logits, spec_decode_metadata):
+            return {i: torch.empty(4).exponential_(generator=g).tolist()
+                    for i, g in self.sampling_generators.items()}
+
+        def _bookkeeping_sync(self, *args):
+            num_reqs = self.input_batch.num_reqs
+            for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0]:
+                gen = self.input_batch.generators.get(int(i))
+                if gen is not None:
+                    gen.set_offset(gen.get_offset() - 4)
+            return "bookkept"
+
+    mod = ModuleType("fake_gpu_model_runner")
+    mod.GPUModelRunner = GPUModelRunner
+    return mod
+
+
+def test_seeded_cpu_rewind_restores_discarded_samples(monkeypatch):
+    """A step that discards a seeded request's sample (a partial prefill) leaves its CPU
+    generator where it was, so the next step samples what a whole prefill would; other
+    seeded requests advance; unseeded batches and non-CPU platforms keep upstream's code."""
+    import torch
+
+    monkeypatch.setattr(patches, "_on_cpu_platform", lambda: True)
+    mod = _seeded_runner_module()
+    Runner = mod.GPUModelRunner
+    # Upstream's rewind on a CPU generator: the crash the patch is for.
+    with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
+        Runner([5, 6], [True, False])._bookkeeping_sync()
+    patches._rewind_discarded_seeded_samples(mod)
+    patches._rewind_discarded_seeded_samples(mod)  # idempotent
+    assert getattr(Runner._bookkeeping_sync, "_dflash2", False)
+    assert getattr(Runner._sample, "_dflash2", False)
+
+    def first_draws(seed):
+        return torch.empty(4).exponential_(generator=torch.Generator().manual_seed(seed)).tolist()
+
+    # Request 0 (seed 5) is in a partial prefill, request 1 (seed 6) decodes, 2 is unseeded.
+    runner = Runner([5, 6, None], [True, False, False])
+    before = patches.SEEDED_REWINDS
+    runner._sample(None, None)
+    generators = runner.input_batch.generators
+    assert runner._bookkeeping_sync() == "bookkept"
+    assert patches.SEEDED_REWINDS == before + 1
+    assert runner.input_batch.generators is generators and sorted(generators) == [0, 1]
+    runner.discard_request_mask.np[0] = False  # its last chunk
+    drawn = runner._sample(None, None)
+    assert drawn[0] == first_draws(5)  # as if the discarded sample had never been drawn
+    assert drawn[1] != first_draws(6)  # a request that kept its sample moved on
+    runner._bookkeeping_sync()
+    assert patches.SEEDED_REWINDS == before + 1
+    # Unseeded batch: nothing saved, upstream's loop finds no generator.
+    plain = Runner([None, None], [True, False])
+    plain._sample(None, None)
+    assert plain._bookkeeping_sync() == "bookkept"
+
+    # Not the CPU platform: upstream's methods stay (its generators have offsets).
+    monkeypatch.setattr(patches, "_on_cpu_platform", lambda: False)
+    other = _seeded_runner_module()
+    original = other.GPUModelRunner._bookkeeping_sync
+    patches._rewind_discarded_seeded_samples(other)
+    assert other.GPUModelRunner._bookkeeping_sync is original
+
+
+def test_upstream_still_rewinds_discarded_samples_by_offset():
+    """Pins what the seeded CPU rewind works around: upstream's _bookkeeping_sync rewinds a
+    discarded sample through generator offsets, which a CPU generator does not have. Fails
+    once vLLM changes that (then check whether the ledger entry can go)."""
+    import inspect
+
+    import torch
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    patches._rewind_discarded_seeded_samples(gmr)
+    method = gmr.GPUModelRunner._bookkeeping_sync
+    if getattr(method, "_dflash2", False):
+        [method] = [c.cell_contents for c in method.__closure__ if callable(c.cell_contents)]
+    assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(method)
+    with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
+        torch.Generator().get_offset()
