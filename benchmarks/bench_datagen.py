@@ -37,22 +37,22 @@ capture, data, args_json, out = sys.argv[1] == "1", sys.argv[2], sys.argv[3], sy
 from types import SimpleNamespace
 import torch
 from vllm_dflash2.train import shards
-from vllm_dflash2.train.data import Job
+from vllm_dflash2.train.prompts import Job
 args = SimpleNamespace(**json.loads(args_json))
 seqs, _ = shards.read_shards(data)
 prompts = [s["tokens"][: s["prompt_len"]].tolist() for s in seqs]
 if capture:
     from transformers import AutoTokenizer
-    from vllm_dflash2.train import datagen
+    from vllm_dflash2.train import vllm_generation
     tok = AutoTokenizer.from_pretrained(args.target)
     t0 = time.perf_counter()
-    llm = datagen.build_llm(args, args.layer_ids, "/nonexistent-unused")
+    llm = vllm_generation.build_llm(args, args.layer_ids, "/nonexistent-unused")
     start = time.perf_counter() - t0
     jobs = [(i, Job(p, "chat", prompt=str(i))) for i, p in enumerate(prompts)]
     stats = {"dropped_held_out": 0, "dropped_short": 0}
     t0 = time.perf_counter()
     answer = sum(len(s["tokens"]) - s["prompt_len"]
-                 for s in datagen.vllm_sequences(llm, tok, jobs, args, [], stats) if "dropped" not in s)
+                 for s in vllm_generation.vllm_sequences(llm, tok, jobs, args, [], stats) if "dropped" not in s)
     gen = time.perf_counter() - t0
 else:
     from vllm import LLM, SamplingParams

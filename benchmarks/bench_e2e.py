@@ -99,7 +99,7 @@ def spec_config(method: str, args) -> tuple[dict | None, str]:
 
 
 def load_prompts() -> list[str]:
-    from vllm_dflash2.train.data import held_out_prompts
+    from vllm_dflash2.train.prompts import held_out_prompts
 
     return [p["prompt"] for p in held_out_prompts()]
 

@@ -238,7 +238,7 @@ def setup_target(args, work: Path) -> Path:
 
 
 class OnDevice:
-    """Run ``data.generate_dataset`` (written for the CPU) with the target on a GPU.
+    """Run ``hf_generation.generate_dataset`` (written for the CPU) with the target on a GPU.
 
     Its inputs are built on the CPU and its sampling generator is a CPU one: a pre-hook
     moves the decoder's tensor inputs to the device, and the lm_head hands its logits
@@ -277,14 +277,15 @@ class OnDevice:
 
 
 def generate(args, target_dir: Path, data_dir: Path, layer_ids: list[int], budget_s: float, device) -> dict:
-    """Chunks of jobs through ``data.generate_dataset`` into a shard folder until the jobs
+    """Chunks of jobs through ``hf_generation.generate_dataset`` into a shard folder until the jobs
     or the budget run out (a chunk starts only if one more fits)."""
     import contextlib
 
     import torch
 
     from vllm_dflash2.train import shards
-    from vllm_dflash2.train.data import generate_dataset, held_out_prompts, make_jobs
+    from vllm_dflash2.train.hf_generation import generate_dataset
+    from vllm_dflash2.train.prompts import held_out_prompts, make_jobs
     from vllm_dflash2.train.target import load_target
 
     target, tok, _ = load_target(str(target_dir))
@@ -292,7 +293,7 @@ def generate(args, target_dir: Path, data_dir: Path, layer_ids: list[int], budge
     held = [p["prompt"] for p in held_out_prompts()]
     header = {"layer_ids": layer_ids, "feature_dim": len(layer_ids) * int(target.config.hidden_size),
               "teacher_top_n": 16, "target": target_dir.name}
-    run = {"command": "recipes/gpu/run.sh (data.generate_dataset)", "engine": "hf", "seed": args.seed,
+    run = {"command": "recipes/gpu/run.sh (hf_generation.generate_dataset)", "engine": "hf", "seed": args.seed,
            "max_new_tokens": args.max_new_tokens, "stdlib_fraction": args.stdlib_fraction,
            "code_fraction": 0.5, "device": device.type}
     writer = shards.ShardWriter(data_dir, header, run, shard_sequences=args.shard_sequences)
@@ -347,7 +348,7 @@ def cmd_run(args, extra: list[str]) -> int:
 
     from vllm_dflash2.assets import DEFAULT_DRAFTER
     from vllm_dflash2.train import cli
-    from vllm_dflash2.train.data import default_layer_ids
+    from vllm_dflash2.train.target import default_layer_ids
 
     torch.set_num_threads(args.threads)  # oversubscribed OpenMP threads crawl on a busy machine
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

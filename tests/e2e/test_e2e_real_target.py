@@ -51,7 +51,7 @@ def test_converted_target_answers_a_chat_prompt_coherently(base):
 
 
 def test_shipped_drafter_keeps_greedy_output_on_held_out_prompts(real_pair, base):
-    from vllm_dflash2.train.data import held_out_prompts
+    from vllm_dflash2.train.prompts import held_out_prompts
 
     held = held_out_prompts()
     prompts = [p["prompt"] for p in held if p["kind"] == "code"][:2] + \

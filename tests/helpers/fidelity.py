@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_dflash2.train.data import target_features
+from vllm_dflash2.train.target import target_features
 from vllm_dflash2.train.model import load_native, propose
 
 from . import layouts

@@ -43,8 +43,8 @@ _CHILD = r"""
 import sys, torch
 from types import SimpleNamespace
 from transformers import AutoTokenizer
-from vllm_dflash2.train import datagen
-from vllm_dflash2.train.data import Job, chat_ids, user_turn_parts
+from vllm_dflash2.train import vllm_generation
+from vllm_dflash2.train.prompts import Job, chat_ids, user_turn_parts
 target, out = sys.argv[1], sys.argv[2]
 args = SimpleNamespace(target=target, dtype="float32", tensor_parallel_size=1, max_model_len=256,
                        concurrency=4, seed=0, enforce_eager=True, teacher_top_n=4, handoff="memory",
@@ -57,7 +57,7 @@ jobs = [(0, Job(chat_ids(tok, "def add(a, b): return the sum"), "code", prompt="
         (2, Job(tok(head + "Write", add_special_tokens=False)["input_ids"], "chat",
                 self_instruct=True, opener="Write"))]
 stats = {"dropped_held_out": 0, "dropped_short": 0}
-llm = datagen.build_llm(args, [0, 2, 3], "/nonexistent-unused")
+llm = vllm_generation.build_llm(args, [0, 2, 3], "/nonexistent-unused")
 scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine core
 scheduled, schedule = [], scheduler.schedule
 def counting(*a, **k):
@@ -65,7 +65,7 @@ def counting(*a, **k):
     scheduled.append(sum(map(len, output.scheduled_spec_decode_tokens.values())))
     return output
 scheduler.schedule = counting
-seqs = [s for s in datagen.vllm_sequences(llm, tok, jobs, args, [], stats) if "dropped" not in s]
+seqs = [s for s in vllm_generation.vllm_sequences(llm, tok, jobs, args, [], stats) if "dropped" not in s]
 torch.save({"seqs": seqs, "spec_tokens": sum(scheduled), "steps": len(scheduled)}, out)
 """
 
@@ -75,7 +75,7 @@ def test_vllm_features_and_soft_labels_match_hf_float32(tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from helpers.probes import run_in_process_engine
-    from vllm_dflash2.train.data import target_features
+    from vllm_dflash2.train.target import target_features
 
     out = tmp_path / "seqs.pt"
     run_in_process_engine(_CHILD, tiny_target, out)

@@ -94,7 +94,8 @@ def test_on_device_adapter_keeps_generation_identical(tmp_path, driver):
     """The adapter that runs ``generate_dataset`` with the target on a GPU, exercised with the
     CPU as the device: same sequences, features and soft labels; the lm_head is restored."""
     from vllm_dflash2.tools.tiny_models import build_tiny_target
-    from vllm_dflash2.train.data import generate_dataset, make_jobs
+    from vllm_dflash2.train.hf_generation import generate_dataset
+    from vllm_dflash2.train.prompts import make_jobs
     from vllm_dflash2.train.target import load_target
 
     target, tok, _ = load_target(str(build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=4)))

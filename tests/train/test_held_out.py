@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_dflash2.train.data import HELD_OUT_DIR, held_out_prompts
+from vllm_dflash2.train.prompts import HELD_OUT_DIR, held_out_prompts
 
 
 def test_held_out_prompts_are_package_data_of_both_kinds():

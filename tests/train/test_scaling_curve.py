@@ -30,7 +30,7 @@ def write_folder(root, target, first: int, num: int, shard_sequences: int = 2):
     features of them), prompts named ``s<first>``, ``s<first + 1>``, ... in stored order."""
     from transformers import AutoModelForCausalLM
 
-    from vllm_dflash2.train.data import target_features
+    from vllm_dflash2.train.target import target_features
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(first)

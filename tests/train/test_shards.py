@@ -56,6 +56,26 @@ def test_round_trip_and_resume(tmp_path):
     assert header["totals"]["sequences"] == 7
 
 
+def test_add_shard_writes_one_shard_of_any_size(tmp_path):
+    """The Hugging Face engine settles a chunk of prompts and stores its sequences as one
+    shard, more or fewer than ``shard_sequences``; the run's answer tokens count them."""
+    seqs = [_seq(i, n=6 + i) for i in range(5)]
+    w = shards.ShardWriter(tmp_path, HEADER, {"command": "hf"}, shard_sequences=2)
+    w.add(seqs[0])
+    assert w.run_answer_tokens == len(seqs[0]["tokens"]) - seqs[0]["prompt_len"]
+    w.settle(7)
+    w.add_shard(seqs[1:4])
+    w.add_shard(seqs[4:])
+    assert w.run_answer_tokens == sum(len(s["tokens"]) - s["prompt_len"] for s in seqs)
+    w.close()
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert [s["sequences"] for s in m["shards"]] == [4, 1]
+    assert shards.settled_jobs(tmp_path) == {7}
+    got, _ = shards.read_shards(tmp_path)
+    for a, b in zip(seqs, got):
+        _same(a, b)
+
+
 def test_mapped_features_equal_read_ones(tmp_path):
     seqs = [_seq(i, n=6 + i) for i in range(5)]
     w = shards.ShardWriter(tmp_path, HEADER, shard_sequences=2)

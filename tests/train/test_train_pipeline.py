@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from vllm_dflash2.train.data import target_features
 from vllm_dflash2.train.loop import sample_batch
 from vllm_dflash2.train.estimate import speculative_greedy
 from vllm_dflash2.train.model import DraftConfig, DraftModel, Head, block_loss, load_native
+from vllm_dflash2.train.target import target_features
 
 V, H, NL = 128, 64, 4
 
@@ -227,7 +227,8 @@ def test_self_distillation_dataset(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_dflash2.tools.tiny_models import build_tiny_target
-    from vllm_dflash2.train.data import Job, chat_ids, generate_dataset, user_turn_parts
+    from vllm_dflash2.train.hf_generation import generate_dataset
+    from vllm_dflash2.train.prompts import Job, chat_ids, user_turn_parts
 
     path = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=3, seed=3)
     tok = AutoTokenizer.from_pretrained(path)
@@ -315,11 +316,12 @@ def test_soft_labels(target):
 
 def write_data(root, tpath, layer_ids, num=6, max_new_tokens=12, seed=0, shard_sequences=3):
     """A tiny data folder as ``vllm-dflash2 datagen`` writes it: the target answers
-    self-instruct / stdlib prompts (``data.generate_dataset``), ``shards.ShardWriter`` stores them."""
+    self-instruct / stdlib prompts (``hf_generation.generate_dataset``), ``shards.ShardWriter`` stores them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_dflash2.train import shards
-    from vllm_dflash2.train.data import generate_dataset, make_jobs
+    from vllm_dflash2.train.hf_generation import generate_dataset
+    from vllm_dflash2.train.prompts import make_jobs
 
     tok = AutoTokenizer.from_pretrained(tpath)
     model = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()

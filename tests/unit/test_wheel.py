@@ -23,7 +23,7 @@ _SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "vllm_dflash
 
 _PROBE = """
 import json, vllm_dflash2
-from vllm_dflash2.train.data import held_out_prompts
+from vllm_dflash2.train.prompts import held_out_prompts
 held = held_out_prompts()
 print("PROBE", json.dumps({"file": vllm_dflash2.__file__, "n": len(held),
                            "kinds": sorted({p["kind"] for p in held})}))

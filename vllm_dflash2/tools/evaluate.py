@@ -19,7 +19,7 @@ from pathlib import Path
 
 def _load_prompts(path: str | None) -> list[dict]:
     if path is None:
-        from ..train.data import held_out_prompts
+        from ..train.prompts import held_out_prompts
 
         return held_out_prompts()
     out = []

@@ -25,12 +25,12 @@ import torch
 
 from . import dist
 from .card import write_card
-from .data import default_layer_ids, held_out_prompts
 from .dist import Dist
 from .estimate import estimate_tau
 from .loop import head_to, micro_batches, train_variant
 from .model import DraftConfig, Head, param_count
-from .target import load_target
+from .prompts import held_out_prompts
+from .target import default_layer_ids, load_target
 from .vocab import coverage, rank_tokens, write as write_vocab
 
 

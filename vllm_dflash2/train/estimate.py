@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from .data import TappedLayers, chat_ids
 from .model import DraftModel, Head, propose
+from .prompts import chat_ids
+from .target import TappedLayers
 
 
 @torch.no_grad()

@@ -98,6 +98,11 @@ class ShardWriter:
         done = sum(s["answer_tokens"] for s in self.manifest["shards"])
         return done + sum(len(x["tokens"]) - x["prompt_len"] for x in self.pending)
 
+    @property
+    def run_answer_tokens(self) -> int:
+        """Answer tokens this run has added, the sequences not yet in a shard included."""
+        return self.run["answer_tokens"] + sum(len(x["tokens"]) - x["prompt_len"] for x in self.pending)
+
     def settle(self, job: int) -> None:
         """Record prompt number ``job`` as done without a sequence (stored with the next shard)."""
         self.settled.append(int(job))
@@ -106,6 +111,12 @@ class ShardWriter:
         self.pending.append(seq)
         if len(self.pending) >= self.shard_sequences:
             self.flush()
+
+    def add_shard(self, seqs: list[dict]) -> None:
+        """Store ``seqs`` (with any sequences still pending) as one shard now, whatever
+        their number: a batch whose prompts are settled together (``settle``)."""
+        self.pending.extend(seqs)
+        self.flush()
 
     def flush(self) -> None:
         if not self.pending:

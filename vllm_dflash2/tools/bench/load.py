@@ -147,7 +147,7 @@ def lockstep(loads: dict, steps: int, clocks: dict | None = None,
 
 def chat_prompts(llm, prompts: list[str]) -> list[dict]:
     """User prompts as token-id prompts, through the tokenizer's chat template (as ``LLM.chat``)."""
-    from ...train.data import chat_ids
+    from ...train.prompts import chat_ids
 
     tok = llm.get_tokenizer()
     return [{"prompt_token_ids": chat_ids(tok, p)} for p in prompts]

@@ -1,244 +1,25 @@
-"""Training data from the machine itself: no hub, no public benchmark sets.
+"""The Hugging Face generation engine: ``generate_dataset`` runs the jobs through the
+target in one continuously refilled batch over a shared KV cache (rows that finish early
+take the next job instead of idling). Every prompt is answered by the target's greedy
+decoding (self-distillation: the drafter learns exactly what it will be asked to
+predict), and the target's features at ``target_layer_ids`` (raw layer outputs, as vLLM
+passes them) are captured in the same forward passes. Prompts that resemble a held-out
+prompt are dropped.
 
-Prompts come from two local sources:
-
-* self-instruct: the target writes the user turn itself. Its chat template is opened
-  for a user message, optionally followed by a short opener ("Write a Python
-  function", "How can I", ...), and the target continues it at temperature 1 until it
-  closes the turn. An instruction-tuned model samples the kind of request it was tuned
-  on, so the prompts are diverse and in the target's own distribution;
-* the installed Python stdlib: function signatures + docstrings as code requests,
-  module / class docstrings as explanation requests.
-
-Every prompt is then answered by the target's greedy decoding (self-distillation: the
-drafter learns exactly what it will be asked to predict), and the target's features at
-``target_layer_ids`` (raw layer outputs, as vLLM passes them) are captured in the same
-forward passes. ``generate_dataset`` runs
-a continuously refilled batch over a shared KV cache, so rows that finish early take
-the next job instead of idling. Prompts that resemble a held-out prompt are dropped.
+``generate`` is the datagen engine interface (as ``vllm_generation.generate``); the
+GPU recipe calls ``generate_dataset`` directly.
 """
 
 from __future__ import annotations
 
-import ast
-import json
-import random
-import re
-import sysconfig
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-CODE_TEMPLATES = [
-    "Write a Python function `{name}({args})`. {doc}",
-    "Implement `{name}` in Python. It should do the following: {doc}",
-    "Here is a description of a Python function named {name}: {doc}\nWrite the code.",
-]
-CHAT_TEMPLATES = [
-    "Explain in simple words what this means: {doc}",
-    "Summarize the following text and give an example: {doc}",
-    "What is the Python module `{mod}` used for? Here is its documentation: {doc}",
-]
-# Openers the target continues into a full request. Generic request starts, written
-# for this pipeline; "" lets the target choose freely.
-CODE_OPENERS = [
-    "Write a Python function", "Write a Python class", "Write a Python script",
-    "Write a function in Python", "Implement a Python function", "Create a Python program",
-    "Write Python code", "How do I write a Python function", "In Python, how can I",
-    "Write a recursive Python function", "Write a Python generator", "Using Python,",
-    "Write a small Python module", "Write a Python function to", "Write code in Python",
-]
-CHAT_OPENERS = [
-    "", "", "", "", "Explain", "What is", "What are", "How can I", "How do I", "Give me",
-    "Describe", "Write a short", "Why", "Can you", "Tell me", "List", "Summarize", "Help me",
-    "What should I", "I need", "Compare", "Suggest", "Write an email", "Plan",
-]
-
-
-def _clean(doc: str, limit: int = 300) -> str:
-    doc = " ".join(doc.split())
-    return doc[:limit]
-
-
-def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    """The target layers tapped unless told otherwise: ``n`` spread from layer 1 to the
-    second-to-last (datagen captures them, training reads them)."""
-    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
-
-
-HELD_OUT_DIR = Path(__file__).resolve().parent / "held_out"
-HELD_OUT_FILES = ("code.jsonl", "chat.jsonl")
-
-
-def held_out_prompts(root: Path | None = None) -> list[dict]:
-    """The held-out eval prompts (code + chat) shipped in the package, ``train/held_out/``.
-
-    A missing file is an error, not an empty set: datagen's held-out filter and ``eval``'s
-    default prompts would otherwise go quietly wrong (an install without the package data)."""
-    root = Path(root) if root is not None else HELD_OUT_DIR
-    out = []
-    for name in HELD_OUT_FILES:
-        p = root / name
-        if not p.is_file():
-            raise FileNotFoundError(
-                f"held-out prompt file {p} is missing: the vllm_dflash2 install lacks its "
-                "package data (train/held_out/*.jsonl); reinstall the package")
-        out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    return out
-
-
-def _words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z0-9]+", text.lower()))
-
-
-def resembles(prompt: str, held_out: list[str], threshold: float = 0.5) -> bool:
-    """True when ``prompt`` shares at least ``threshold`` of its words (Jaccard) with a
-    held-out prompt, or contains one: such prompts never enter the training set."""
-    words = _words(prompt)
-    low = " ".join(prompt.lower().split())
-    for h in held_out:
-        hw = _words(h)
-        if " ".join(h.lower().split()) in low:
-            return True
-        if words and hw and len(words & hw) / len(words | hw) >= threshold:
-            return True
-    return False
-
-
-def stdlib_prompts(n: int, seed: int = 0, exclude: set[str] | None = None) -> list[dict]:
-    """``n`` prompts (half code, half chat) from the stdlib's source and docstrings."""
-    rng = random.Random(seed)
-    exclude = exclude or set()
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.glob("*.py") if not p.name.startswith("_"))
-    code, chat = [], []
-    for path in files:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="ignore"))
-        except (SyntaxError, ValueError):
-            continue
-        mod = path.stem
-        mdoc = ast.get_docstring(tree)
-        if mdoc and len(mdoc) > 80:
-            chat.append({"mod": mod, "doc": _clean(mdoc)})
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
-                d = ast.get_docstring(node)
-                if not d or len(d) < 40:
-                    continue
-                if isinstance(node, ast.FunctionDef):
-                    args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
-                    code.append({"name": node.name, "args": args, "doc": _clean(d, 240), "mod": mod})
-                else:
-                    chat.append({"mod": mod, "doc": _clean(d)})
-    rng.shuffle(code)
-    rng.shuffle(chat)
-    out = []
-    for i in range(n):
-        src, tpl, kind = (code, CODE_TEMPLATES, "code") if i % 2 == 0 else (chat, CHAT_TEMPLATES, "chat")
-        item = src[(i // 2) % len(src)]
-        text = rng.choice(tpl).format(**item)
-        if text not in exclude:
-            out.append({"prompt": text, "kind": kind})
-    return out
-
-
-def chat_ids(tok, prompt: str) -> list[int]:
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
-    )
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def user_turn_parts(tok) -> tuple[str, list[int]]:
-    """(text that opens a user message, token ids that close it and open the answer),
-    read off the tokenizer's own chat template."""
-    sentinel = "\x00VLLM_DFLASH2\x00"
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": sentinel}], tokenize=False, add_generation_prompt=True
-    )
-    if text.count(sentinel) != 1:
-        raise ValueError("chat template: cannot locate the user message (self-instruct needs it)")
-    head, tail = text.split(sentinel)
-    return head, tok(tail, add_special_tokens=False)["input_ids"]
-
-
-class TappedLayers:
-    """Capture the raw outputs of the target's decoder layers ``layer_ids``.
-
-    These are what vLLM hands a DFlash drafter: aux hidden state ``j + 1`` is
-    ``hidden_states + residual`` after layer j, before any final norm. HF's
-    ``output_hidden_states`` is not: its last entry is the output of the final norm,
-    so a drafter tapping the last layer would train on features vLLM never gives it.
-
-        with TappedLayers(target, layer_ids) as taps:
-            target(...)
-            feats = taps.features()  # [b, S, A*H], of the last call
-    """
-
-    def __init__(self, target, layer_ids: list[int]) -> None:
-        self.layers = target.model.layers
-        self.layer_ids = list(layer_ids)
-        self._out: dict[int, torch.Tensor] = {}
-        self._hooks: list = []
-
-    def __enter__(self):
-        for j in self.layer_ids:
-            def hook(_mod, _inp, out, j=j):
-                self._out[j] = out[0] if isinstance(out, tuple) else out
-            self._hooks.append(self.layers[j].register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    def features(self) -> torch.Tensor:
-        return torch.cat([self._out[j] for j in self.layer_ids], dim=-1)
-
-
-@torch.no_grad()
-def target_features(target, ids: torch.Tensor, layer_ids: list[int], attention_mask=None) -> torch.Tensor:
-    """Concatenated raw outputs of ``layer_ids`` (vLLM's aux hidden states): [b, S, A*H]."""
-    with TappedLayers(target, layer_ids) as taps:
-        target.model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
-        return taps.features()
-
-
-@dataclass
-class Job:
-    """One sequence to generate: forced ``prefix`` ids, then (self-instruct) a sampled
-    user turn, then the greedy answer."""
-
-    prefix: list[int]
-    kind: str
-    self_instruct: bool = False
-    opener: str = ""
-    prompt: str = ""
-
-
-def make_jobs(tok, num: int, code_fraction: float = 0.5, stdlib_fraction: float = 0.15,
-              seed: int = 0, max_prompt_tokens: int = 192, exclude: set[str] | None = None) -> list[Job]:
-    """``num`` jobs: self-instruct code / chat requests plus stdlib-derived prompts
-    (those in ``exclude`` are replaced by self-instruct jobs)."""
-    rng = random.Random(seed)
-    head, _ = user_turn_parts(tok)
-    n_std = int(round(num * stdlib_fraction))
-    jobs = []
-    for p in stdlib_prompts(n_std, seed=seed, exclude=exclude):
-        jobs.append(Job(chat_ids(tok, p["prompt"])[-max_prompt_tokens:], p["kind"], prompt=p["prompt"]))
-    for _ in range(num - len(jobs)):
-        kind = "code" if rng.random() < code_fraction else "chat"
-        opener = rng.choice(CODE_OPENERS if kind == "code" else CHAT_OPENERS)
-        ids = tok(head + opener, add_special_tokens=False)["input_ids"]
-        jobs.append(Job(ids, kind, self_instruct=True, opener=opener))
-    rng.shuffle(jobs)
-    return jobs
+from .prompts import Job, held_out_prompts, job_seed, resembles, user_turn_parts
+from .target import TappedLayers
 
 
 @dataclass
@@ -476,3 +257,39 @@ def generate_dataset(target, tok, jobs: list[Job], layer_ids: list[int], max_new
     stats["tokens"] = sum(len(d["tokens"]) for d in out)
     stats["answer_tokens"] = sum(len(d["tokens"]) - d["prompt_len"] for d in out)
     return out, stats
+
+
+def generate(args, tok, todo, writer, layer_ids, bar, stats) -> dict:
+    """``generate_dataset`` over chunks of ``--shard-sequences`` numbered prompts;
+    chunk c (prompts c*S ...) samples with seed ``job_seed(seed, c)``: a resumed run
+    redoes unfinished chunks with the same seeds."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
+    stats["startup_seconds"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    held = [p["prompt"] for p in held_out_prompts()]
+    size = args.shard_sequences
+    chunks: dict[int, list[tuple[int, Job]]] = {}
+    for n, job in todo:
+        chunks.setdefault(n // size, []).append((n, job))
+    for c, chunk in sorted(chunks.items()):
+        data, st = generate_dataset(
+            target, tok, [job for _, job in chunk], layer_ids, args.max_new_tokens,
+            batch_size=args.batch_size, max_prompt_new_tokens=args.max_prompt_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=job_seed(args.seed, c),
+            max_cache_len=args.max_model_len, progress=False, held_out=held,
+            min_prompt_words=args.min_prompt_words, min_answer_tokens=args.min_answer_tokens,
+            teacher_top_k=args.teacher_top_n)
+        for key in ("dropped_held_out", "dropped_short"):
+            stats[key] += st[key]
+        # generate_dataset does not say which prompt a sequence came from: the chunk
+        # is settled as a whole, in one shard.
+        for n, _ in chunk:
+            writer.settle(n)
+        writer.add_shard(data)
+        bar.update(st["answer_tokens"])
+        bar.set_postfix(sequences=writer.num_sequences)
+    stats["generate_seconds"] = round(time.perf_counter() - t0, 2)
+    return stats
