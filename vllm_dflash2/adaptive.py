@@ -303,6 +303,12 @@ class AdaptiveDrafting:
         valid sampled tokens per request (a tensor; read at the next ``choose``)."""
         self._verified = (num_draft_tokens, valid_counts)
 
+    def skip_measurement(self) -> None:
+        """The proposal just chosen was dropped (the proposer's non-finite guard): the next
+        step verifies fewer drafts than chosen, so neither its cost nor its acceptance is
+        measured against that k."""
+        self._k_prev, self._t_prev = 0, None
+
     def choose(self, cad, sampling_metadata, max_k: int, write_seconds: float = 0.0,
                pending_rows: int = 0) -> int:
         """k for this step, after observing the step just verified. ``write_seconds``:

@@ -47,6 +47,16 @@ def _gemm_mode(name: str, raw: str) -> str:
     return value
 
 
+def _steps(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: expected a number of steps >= 0 (0: never)")
+    return value
+
+
 def _path(name: str, raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -80,6 +90,10 @@ VARIABLES: tuple[Var, ...] = (
         "1: the engine-wide patches (packed CPU GEMM, zero-draft sampling shortcut) also "
         "apply to engines without a DFlash drafter; benchmarks set it so that every method "
         "runs on the same GEMM.", _flag),
+    Var("VLLM_DFLASH2_MAX_POISONED_STEPS", "int >= 0", "8",
+        "A drafting step whose draft logits or q hold NaN/inf drops the drafts of the "
+        "requests affected (with a warning and a counter); after this many such steps in a "
+        "row the engine stops drafting, with one warning (0: never stops).", _steps),
     Var("VLLM_DFLASH2_CACHE", "path", "~/.cache/vllm-dflash2",
         "Where the converted default target (SmolLM2-135M-Instruct) is kept.", _path),
     Var("VLLM_DFLASH2_SKIP_BUILD", "bool", "0",
@@ -97,6 +111,7 @@ _DEFAULTS: dict[str, object] = {
     "VLLM_DFLASH2_STEP_RECORD": 0,
     "VLLM_DFLASH2_CPU_GEMM": "auto",
     "VLLM_DFLASH2_ALL_ENGINES": False,
+    "VLLM_DFLASH2_MAX_POISONED_STEPS": 8,
     "VLLM_DFLASH2_CACHE": None,  # ~/.cache/vllm-dflash2, resolved by tools.assets
     "VLLM_DFLASH2_SKIP_BUILD": False,
     "VLLM_DFLASH2_SKIP_CUDA_BUILD": False,

@@ -275,12 +275,13 @@ class DFlash2ForCausalLM(CandidateVocabHead, DFlash2Qwen3ForCausalLM):
         seeds: torch.Tensor,
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft one path per request from the mask rows' hidden states.
 
         hidden_states [B * K, H] (request-major), anchor_ids [B], temperature [B]
         (<= 0: greedy), seeds [B] int64. Returns ``(tokens [B, K], q [B, K, k],
-        candidate_ids [B, K, k])``; q is the realized proposal of each token.
+        candidate_ids [B, K, k], logits [B, K, k])``; q is the realized proposal of each
+        token, logits the candidates' draft logits (the proposer's non-finite check).
         """
         num_reqs = anchor_ids.shape[0]
         candidate_ids, unary = self.compute_candidates(hidden_states)
@@ -303,4 +304,4 @@ class DFlash2ForCausalLM(CandidateVocabHead, DFlash2Qwen3ForCausalLM):
             top_k,
             top_p,
         )
-        return tokens, q, candidate_ids
+        return tokens, q, candidate_ids, unary.view(shape)

@@ -10,7 +10,9 @@ target's. Around that, ``propose`` asks adaptive speculation (``adaptive.py``) h
 many tokens to draft; at k = 0 it only keeps the draft K/V of the new context tokens,
 stashed for a batched write (``deferred_context.py``) or written at once; and query
 rows past the context window are clamped request by request (``set_inputs_first_pass``).
-Input layout, context K/V, attention metadata and the KV cache are upstream's.
+Drafts whose draft logits or q are not finite (a drafter with NaN weights) never reach
+the rejection sampler (``FailSafe``). Input layout, context K/V, attention metadata and the
+KV cache are upstream's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from . import envs
@@ -28,6 +31,72 @@ from .drafter_format import DFLASH2_ARCH
 _SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0 means greedy"
 _SEED_MIX = 0x2545F4914F6CDD1D  # spreads (seed, position) pairs over int64
 _PAD_SLOT = -1  # vLLM's PADDING_SLOT_ID: attention backends write no KV for this row
+
+logger = init_logger(__name__)
+
+
+class FailSafe:
+    """Drafts whose draft logits or q are not finite never reach the rejection sampler.
+
+    A drafter whose weights hold NaN (half-trained, badly quantized) or whose logits
+    overflow drafts garbage: greedy verification would still reject it, but a NaN q in
+    probabilistic rejection breaks the output distribution, and every step pays for drafts
+    that cannot be accepted. Per drafting step the proposer checks each request's draft
+    logits (NaN or +inf; -inf is a candidate that cannot be drawn) and, for sampled
+    requests, its q, on tensors the step computed anyway; the drafts of the requests
+    affected are dropped (they verify nothing, as at adaptive k = 0), counted here, and
+    a warning says so at the 1st, 2nd, 4th, 8th, ... such step. After ``max_steps``
+    (``VLLM_DFLASH2_MAX_POISONED_STEPS``) poisoned drafting steps in a row drafting stops
+    for the engine, with one warning; 0 never stops.
+    """
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+        self.poisoned_steps = 0  # drafting steps with at least one request's drafts dropped
+        self.dropped_requests = 0  # request-steps whose drafts were dropped
+        self.consecutive = 0
+        self.stopped = False
+        self._next_warning = 1
+
+    @staticmethod
+    def finite_rows(num_reqs: int, logits: torch.Tensor | None,
+                    q: torch.Tensor | None) -> torch.Tensor | None:
+        """[num_reqs] bool: whether request r's draft logits and q (request-major rows;
+        either may be None) are usable; None when both are None."""
+        ok = None
+        if logits is not None:
+            ok = (logits.reshape(num_reqs, -1) < float("inf")).all(-1)  # False for NaN, +inf
+        if q is not None:
+            finite = torch.isfinite(q.reshape(num_reqs, -1)).all(-1)
+            ok = finite if ok is None else ok & finite
+        return ok
+
+    def clean_step(self) -> None:
+        self.consecutive = 0
+
+    def poisoned_step(self, num_bad: int, num_reqs: int) -> None:
+        self.poisoned_steps += 1
+        self.dropped_requests += num_bad
+        self.consecutive += 1
+        if self.poisoned_steps >= self._next_warning:
+            self._next_warning *= 2
+            logger.warning(
+                "DFlash2 drafter: non-finite draft logits or q for %d of %d requests; their "
+                "drafts this step were dropped (outputs are unaffected). %d drafting steps so "
+                "far, %d request drafts dropped. Drafters with NaN/inf weights do this.",
+                num_bad, num_reqs, self.poisoned_steps, self.dropped_requests)
+        if self.max_steps and self.consecutive >= self.max_steps and not self.stopped:
+            self.stopped = True
+            logger.warning(
+                "DFlash2 drafting STOPPED for this engine: %d drafting steps in a row had "
+                "non-finite draft logits or q (VLLM_DFLASH2_MAX_POISONED_STEPS=%d). The engine "
+                "decodes without speculation from now on; outputs are unaffected. Replace or "
+                "fix the drafter and restart.", self.consecutive, self.max_steps)
+
+    def stats(self) -> dict:
+        return {"poisoned_steps": self.poisoned_steps,
+                "dropped_requests": self.dropped_requests,
+                "consecutive": self.consecutive, "stopped": self.stopped}
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -55,6 +124,8 @@ class DFlash2Proposer(DFlashProposer):
                 bool(vllm_config.cache_config.enable_prefix_caching),
                 lambda: runner.input_batch.req_ids)
         self._drafted = False  # did the last proposal draft anything
+        self.fail_safe = FailSafe(envs.get("VLLM_DFLASH2_MAX_POISONED_STEPS"))
+        self._draft_ok: torch.Tensor | None = None  # per request, set by _sample_draft_tokens
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -74,6 +145,10 @@ class DFlash2Proposer(DFlashProposer):
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
                 common_attn_metadata, sampling_metadata, *args, **kwargs):
+        self._draft_ok = None
+        if self.fail_safe.stopped:  # the drafter only ever drafted garbage: draft nothing
+            self._drafted = False
+            return self._no_drafts(common_attn_metadata.batch_size())
         k, deferred = num_speculative_tokens, self.deferred
         if self.adaptive is not None:
             k = self.adaptive.choose(
@@ -87,10 +162,7 @@ class DFlash2Proposer(DFlashProposer):
         drafted_before, self._drafted = self._drafted, k > 0
         if k == 0 and not drafted_before and deferred is not None and deferred.stash(
                 target_token_ids, target_positions, target_hidden_states, common_attn_metadata):
-            self.num_speculative_tokens = 0
-            self._last_draft_probs = None
-            return torch.empty((common_attn_metadata.batch_size(), 0), dtype=torch.int64,
-                               device=self.device)
+            return self._no_drafts(common_attn_metadata.batch_size())
         if deferred is not None:
             deferred.flush()  # everything pending, before this step writes or reads draft KV
         if k == 0:
@@ -98,10 +170,42 @@ class DFlash2Proposer(DFlashProposer):
                 target_token_ids, target_positions, target_hidden_states, next_token_ids,
                 common_attn_metadata, kwargs.get("num_rejected_tokens_gpu"),
             )
-        return super().propose(
+        drafts = super().propose(
             k, target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs,
         )
+        return self._drop_poisoned(drafts)
+
+    def _no_drafts(self, batch_size: int) -> torch.Tensor:
+        """What a step that drafts nothing hands the runner (as at adaptive k = 0)."""
+        self.num_speculative_tokens = 0
+        self._last_draft_probs = None
+        return torch.empty((batch_size, 0), dtype=torch.int64, device=self.device)
+
+    def _drop_poisoned(self, drafts: torch.Tensor) -> torch.Tensor | list[list[int]]:
+        """The step's drafts without those of requests whose draft logits or q are not
+        finite (``FailSafe``). One host read of a [batch] flag per drafting step."""
+        ok, self._draft_ok = self._draft_ok, None
+        if ok is None or bool(ok.all()):
+            if ok is not None:
+                self.fail_safe.clean_step()
+            return drafts
+        bad = ~ok
+        num_bad, num_reqs = int(bad.sum()), ok.shape[0]
+        self.fail_safe.poisoned_step(num_bad, num_reqs)
+        if self.adaptive is not None:
+            self.adaptive.skip_measurement()
+        # The runner takes per-request draft lists (as from n-gram drafting) unless it
+        # schedules asynchronously (it then reads the drafts as one [batch, k] tensor):
+        # there, and when every request is affected, the whole step drafts nothing.
+        if num_bad == num_reqs or getattr(self._runner, "use_async_scheduling", False):
+            self._drafted = False
+            return self._no_drafts(drafts.shape[0])
+        probs = self._last_draft_probs
+        if probs is not None:  # never read (those requests verify no drafts), zeroed anyway
+            probs[:num_reqs][bad] = 0.0
+        dropped = bad.tolist() + [False] * (drafts.shape[0] - num_reqs)
+        return [[] if drop else row for row, drop in zip(drafts.tolist(), dropped)]
 
     def _context_end(self) -> int:
         """Positions the drafter may hold: the target's context window (the KV blocks
@@ -172,7 +276,11 @@ class DFlash2Proposer(DFlashProposer):
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if not self.is_dflash2:
-            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            tokens, probs = super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            if probs is not None:  # plain DFlash drafts: q is all there is to check
+                self._draft_ok = FailSafe.finite_rows(
+                    hidden_states.shape[0] // self.num_speculative_tokens, None, probs)
+            return tokens, probs
         k = self.num_speculative_tokens
         num_reqs = hidden_states.shape[0] // k
         stride = 1 + k
@@ -190,9 +298,11 @@ class DFlash2Proposer(DFlashProposer):
             top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[:num_reqs]
             top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[:num_reqs]
 
-        tokens, q, candidate_ids = self._draft_model().select_draft(
+        tokens, q, candidate_ids, logits = self._draft_model().select_draft(
             hidden_states, anchor_ids, temperature, seeds, top_k, top_p
         )
+        # Greedy q is one-hot whatever the scores: only the logits can tell.
+        self._draft_ok = FailSafe.finite_rows(num_reqs, logits, None if greedy else q)
         if greedy:
             return tokens.view(-1), None
         # Dense [B*K, V] draft probs: zero except the candidates of each row.
