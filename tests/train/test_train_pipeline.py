@@ -493,6 +493,8 @@ def test_init_from_starts_from_the_drafters_weights(tmp_path, tiny_run):
         json.loads((d0 / "candidate_vocab.json").read_text())
     summary = json.loads((tmp_path / "w1" / "summary.json").read_text())
     assert summary["variants"]["dflash2"]["init_from"]["name"] == "d0"
+    card = (d1 / "README.md").read_text()
+    assert "Continued from `d0` (6 steps" in card and "the `--init-from` drafter's" in card
 
     refuse = base + ["--init-from", str(d0), "--max-steps", "1", "--out", str(tmp_path / "w3")]
     with pytest.raises(SystemExit, match=r"--layers=2 contradicts --init-from=.*num_hidden_layers=1"):

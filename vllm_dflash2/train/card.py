@@ -49,6 +49,20 @@ def write_card(dest: str | Path, summary: dict, variant: str, evaluation: dict |
     train_min = v["train_seconds"] / 60
     vocab = summary.get("candidate_vocab", {})
     made = "; ".join(f"`{c}`" for c in ds.get("commands", [])) or "not recorded"
+    if "held_out_half_coverage" in vocab:
+        vocab_line = (f"{vocab.get('size')} tokens (`candidate_vocab.json`), covering "
+                      f"{100 * vocab['held_out_half_coverage']:.1f}% of the answer tokens of the half "
+                      f"of the data its ranking did not see")
+    elif vocab.get("from") == "--init-from":
+        vocab_line = f"{vocab.get('size')} tokens (`candidate_vocab.json`), the `--init-from` drafter's"
+    else:
+        vocab_line = f"the whole vocabulary ({vocab.get('size')} tokens)"
+    lineage = ""
+    if v.get("init_from"):  # --init-from: these weights continue another drafter's
+        init = v["init_from"]
+        lineage = (f"\nContinued from `{init['name']}` ({init.get('steps') or 'unrecorded'} steps; its "
+                   f"card says how it was made) with `--init-from`: its weights, architecture and "
+                   f"candidate vocabulary, then the {v['steps']} steps above on this data.\n")
     subset = ""
     if ds.get("max_answer_tokens") is not None:  # a data-scaling curve's point: a prefix of the folders
         subset = (f"\nTrained on the first {ds['answer_tokens']} answer tokens of the data folders' "
@@ -67,9 +81,7 @@ target's embedding of `mask_token_id` {dc['mask_token_id']}.
   intermediate {conf['intermediate_size']}, target layers {dc['target_layer_ids']} (raw layer outputs)
 - dflash_config: `{json.dumps(dc)}`
 - parameters: {v['params'] / 1e6:.2f} M, weights {size / 1e6:.1f} MB (bf16)
-- candidate vocabulary: {vocab.get('size')} tokens (`candidate_vocab.json`), covering
-  {100 * vocab.get('held_out_half_coverage', 1.0):.1f}% of the answer tokens of the half of the data
-  its ranking did not see
+- candidate vocabulary: {vocab_line}
 
 ## Data
 
@@ -94,7 +106,7 @@ distributions (soft labels) are captured in the same forward passes. Held-out ev
 Data generation {data_min:.1f} min + training {train_min:.1f} min = {data_min + train_min:.1f} min;
 {v['steps']} steps, {v.get('world', 1)} process(es) on {v.get('device', 'cpu')}. Last-20-step averages:
 `{json.dumps({k: round(x, 3) for k, x in v['final_metrics_avg20'].items()})}`.
-"""
+{lineage}"""
     for name, other in summary["variants"].items():
         if name != variant:  # the comparison twin: same dataset, same batches per step
             text += f"""
