@@ -42,8 +42,17 @@ def _check(argv: list[str]) -> int:
         for problem in problems:
             print(f"  - {problem}")
         return 1
-    print(f"ok: {args.drafter} is a valid DFlash2 drafter for {args.target} "
-          f"on the {args.runner.upper()} runner")
+    from pathlib import Path
+
+    from .drafter_format import load_drafter_spec
+
+    if load_drafter_spec(Path(args.drafter)).is_plain_dflash:
+        print(f"ok: {args.drafter} is a valid plain DFlash (v1) drafter for {args.target} "
+              f"on the {args.runner.upper()} runner: vLLM's own DFlash proposer serves it "
+              "(per-position drafts, no candidate selector)")
+    else:
+        print(f"ok: {args.drafter} is a valid DFlash2 drafter for {args.target} "
+              f"on the {args.runner.upper()} runner")
     for line in _summary(args.drafter, target):
         print(f"  {line}")
     return 0

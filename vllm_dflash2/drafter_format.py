@@ -6,9 +6,16 @@ schema (``expected_tensor_shapes``), the safetensors header reader and the candi
 vocabulary file. Validation, the model, the test builders and training consume it.
 
 Native (z-lab / incoai): Qwen3 fields at top level plus ``dflash_config``.
-Speculators: ``speculators_model_type: "dflash2"`` with flat DFlash fields,
-``aux_hidden_state_layer_ids`` (= target_layer_ids + 1) and the layer fields
-under ``transformer_layer_config``.
+Speculators: ``speculators_model_type: "dflash2"`` (or ``"dflash"``: plain DFlash) with
+flat DFlash fields, ``aux_hidden_state_layer_ids`` (= target_layer_ids + 1) and the layer
+fields under ``transformer_layer_config``, which vLLM reads as written (no defaults).
+
+Published variants read here as vLLM reads them: ``block_size`` in ``dflash_config`` or
+at top level (older DFlash); ``rope_theta`` at top level or only in ``rope_parameters``;
+``dtype`` or ``torch_dtype``; ``eos_token_id`` an int or a list; ``target_hidden_size``
+absent or null (vLLM then sizes ``fc`` for the drafter's ``hidden_size``); keys vLLM
+ignores (``num_target_layers``, ``use_cache``, ...). A separately shipped mask embedding
+(``mask_embedding.pt``, read by vLLM's DFlash loader) is checked by ``read_mask_embedding``.
 
 Imports nothing heavy: torch only inside ``load_candidate_vocab``.
 """
@@ -23,7 +30,35 @@ from pathlib import Path
 DFLASH2_ARCH = "DFlash2DraftModel"
 DFLASH_ARCH = "DFlashDraftModel"  # plain DFlash (v1): no convs, no candidate selector
 SPECULATORS_TYPE = "dflash2"  # speculators_model_type of a speculators-format DFlash2
+# speculators_model_type -> the architecture vLLM gives the draft (its speculators updaters)
+SPECULATORS_ARCHS = {SPECULATORS_TYPE: DFLASH2_ARCH, "dflash": DFLASH_ARCH}
+# transformer_layer_config fields vLLM's DFlash model reads with no default: a speculators
+# config becomes the draft's hf_config as written (vLLM's SpeculatorsConfig fills nothing in).
+SPECULATORS_REQUIRED_LAYER_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "hidden_act", "rms_norm_eps",
+    "max_position_embeddings",
+)
 CANDIDATE_VOCAB_KEY = "vllm_dflash2_candidate_vocab"  # config.json key: the vocab file
+# A separately trained mask embedding, beside the weights; vLLM's DFlash loader
+# (DFlashQwen3ForCausalLM._read_mask_embedding) substitutes it for
+# embed_tokens[mask_token_id]: a tensor of hidden_size values, or
+# {"embedding": tensor, "mask_token_id": int}.
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+
+
+class FieldError(ValueError):
+    """Malformed config fields, each as (field, value found, what was expected)."""
+
+    def __init__(self, problems: list[tuple[str, object, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{f}={v!r}: expected {e}" for f, v, e in problems))
+
+
+def speculators_type(config: dict) -> str | None:
+    """``speculators_model_type`` of a speculators-format DFlash / DFlash2 config, else None."""
+    kind = config.get("speculators_model_type")
+    return kind if kind in SPECULATORS_ARCHS else None
 
 
 @dataclass(frozen=True)
@@ -51,58 +86,97 @@ class DrafterSpec:
     # dflash_config.attention_sink_bias (or MiMo's add_swa_attention_sink_bias): one
     # learned sink logit per head, ``layers.i.self_attn.attention_sink_bias`` [num_heads].
     attention_sink_bias: bool = False
+    # dflash_config.sample_from_anchor (speculators: flat): vLLM's DFlash runtimes need False.
+    sample_from_anchor: bool = False
 
     @property
     def is_dflash2(self) -> bool:
         return DFLASH2_ARCH in self.architectures
 
+    @property
+    def is_plain_dflash(self) -> bool:
+        """Plain DFlash (v1): served by vLLM's own DFlash proposer, per-position drafts."""
+        return self.architectures == [DFLASH_ARCH]
+
 
 def _int(d: dict, key: str, where: str, default=None) -> int:
     value = d.get(key, default)
     if value is None:
-        raise ValueError(f"missing field {where}{key}")
+        raise FieldError([(f"{where}{key}", None, "an integer (missing)")])
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"field {where}{key}={value!r} is not an integer")
+        raise FieldError([(f"{where}{key}", value, "an integer")])
     return value
+
+
+def _block_size(fallback: dict, first: dict):
+    """``first["block_size"]`` unless absent or null, else ``fallback["block_size"]``.
+    Native: ``dflash_config`` (DFlash2 moved it there) first, the top level of older DFlash
+    checkpoints (z-lab's DFlash b16 has it only there) after."""
+    value = first.get("block_size")
+    return value if value is not None else fallback.get("block_size")
 
 
 def spec_from_config(config: dict, weight_names: set[str] | None = None) -> DrafterSpec:
     names = weight_names or set()
-    if config.get("speculators_model_type") == SPECULATORS_TYPE:
-        layer = dict(config.get("transformer_layer_config") or {})
+    kind = speculators_type(config)
+    if kind is not None:
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise FieldError([("transformer_layer_config", layer,
+                               "an object with the draft layers' fields")])
+        missing = [k for k in SPECULATORS_REQUIRED_LAYER_FIELDS if layer.get(k) is None]
+        if missing:
+            raise FieldError([
+                (f"transformer_layer_config.{k}", None,
+                 "present (missing): vLLM builds the draft from transformer_layer_config "
+                 "as written, with no defaults; add the value the drafter was trained with")
+                for k in missing])
         flat = config
         aux = flat.get("aux_hidden_state_layer_ids") or []
-        ids = [int(i) - 1 for i in aux]
-        dc_where, fmt = "", "speculators"
+        if not isinstance(aux, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in aux):
+            raise FieldError([("aux_hidden_state_layer_ids", aux, "a list of integers")])
+        ids = [i - 1 for i in aux]
+        dc_where, lw, fmt = "", "transformer_layer_config.", "speculators"
         dc = flat
-        archs = [DFLASH2_ARCH]
-        block = flat.get("block_size", (layer.get("dflash_config") or {}).get("block_size"))
+        archs = [SPECULATORS_ARCHS[kind]]
+        # speculators: the flat block_size (DFlashSpeculatorConfig's field) wins
+        block = _block_size(layer.get("dflash_config") or {}, flat)
     else:
         layer = config
         dc = config.get("dflash_config")
         if not isinstance(dc, dict):
-            raise ValueError("missing field dflash_config")
+            raise FieldError([("dflash_config", dc, "an object (mask_token_id, "
+                               "target_layer_ids, ...): a native DFlash/DFlash2 config, or "
+                               "speculators_model_type 'dflash2' / 'dflash'")])
         ids = dc.get("target_layer_ids") or []
-        dc_where, fmt = "dflash_config.", "native"
+        dc_where, lw, fmt = "dflash_config.", "", "native"
         archs = list(config.get("architectures") or [])
-        block = dc.get("block_size", config.get("block_size"))  # older checkpoints: top level
+        block = _block_size(config, dc)
     plain = 0 if archs == [DFLASH_ARCH] else None
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"field {dc_where}target_layer_ids={ids!r} is not a list of integers")
-    hidden = _int(layer, "hidden_size", "")
-    heads = _int(layer, "num_attention_heads", "")
-    vocab = _int(layer, "vocab_size", "", config.get("vocab_size"))
+        raise FieldError([(f"{dc_where}target_layer_ids", ids, "a list of integers")])
+    hidden = _int(layer, "hidden_size", lw)
+    heads = _int(layer, "num_attention_heads", lw)
+    vocab = _int(layer, "vocab_size", lw,
+                 None if fmt == "speculators" else config.get("vocab_size"))
+    target_hidden = config.get("target_hidden_size", layer.get("target_hidden_size"))
+    if target_hidden is not None and (isinstance(target_hidden, bool)
+                                      or not isinstance(target_hidden, int)):
+        raise FieldError([("target_hidden_size", target_hidden, "an integer or absent")])
     return DrafterSpec(
         architectures=archs,
         hidden_size=hidden,
-        intermediate_size=_int(layer, "intermediate_size", ""),
-        num_layers=_int(layer, "num_hidden_layers", ""),
+        intermediate_size=_int(layer, "intermediate_size", lw),
+        num_layers=_int(layer, "num_hidden_layers", lw),
         num_heads=heads,
-        num_kv_heads=_int(layer, "num_key_value_heads", "", heads),
-        head_dim=_int(layer, "head_dim", "", hidden // heads),
+        num_kv_heads=_int(layer, "num_key_value_heads", lw, heads),
+        # An explicit null is what vLLM's attention treats as absent: hidden / heads.
+        head_dim=_int({"head_dim": layer.get("head_dim") or hidden // heads}, "head_dim", lw),
         vocab_size=vocab,
         draft_vocab_size=int(config.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
-        target_hidden_size=config.get("target_hidden_size", layer.get("target_hidden_size")),
+        # Absent or null: vLLM sizes fc for the drafter's own hidden_size.
+        target_hidden_size=target_hidden,
         mask_token_id=dc.get("mask_token_id", config.get("mask_token_id")),
         target_layer_ids=ids,
         block_size=_int({"block_size": block}, "block_size", dc_where),
@@ -116,6 +190,7 @@ def spec_from_config(config: dict, weight_names: set[str] | None = None) -> Draf
         fmt=fmt,
         attention_sink_bias=bool((dc or {}).get(
             "attention_sink_bias", layer.get("add_swa_attention_sink_bias", False))),
+        sample_from_anchor=bool(dc.get("sample_from_anchor", False)),
     )
 
 
@@ -315,6 +390,46 @@ def _check_tensor_entry(path: Path, name: str, info) -> None:
             f"{where}: data_offsets={offsets!r} span {offsets[1] - offsets[0]} bytes, expected "
             f"{want} (shape {shape} x {dtype})"
         )
+
+
+# -- mask embedding ------------------------------------------------------------------
+
+def mask_embedding_problems(path: str | Path, spec: DrafterSpec
+                            ) -> list[tuple[str, object, str]]:
+    """``mask_embedding.pt`` of a drafter folder as vLLM's DFlash loader reads it
+    (``torch.load(weights_only=True)``; a tensor of hidden_size values or
+    ``{"embedding": ..., "mask_token_id": ...}``): (field, value, expected) per problem,
+    none when the file is absent or loads."""
+    file = Path(path) / MASK_EMBEDDING_FILE
+    if not file.is_file():
+        return []
+    import torch
+
+    way_out = (f"re-save it with torch.save(embedding_tensor, '{MASK_EMBEDDING_FILE}') "
+               "(or remove it: the embedding row of mask_token_id is used instead)")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one problem
+        return [(MASK_EMBEDDING_FILE, f"{type(exc).__name__}: {str(exc)[:120]}",
+                 f"a tensor readable by torch.load(weights_only=True); {way_out}")]
+    if isinstance(state, dict):
+        token = state.get("mask_token_id", spec.mask_token_id)
+        if token != spec.mask_token_id:
+            return [(f"{MASK_EMBEDDING_FILE}: mask_token_id", token,
+                     f"{spec.mask_token_id} (dflash_config.mask_token_id), or the key removed")]
+        if "embedding" not in state:
+            return [(MASK_EMBEDDING_FILE, sorted(map(str, state)),
+                     f"a tensor, or a dict with key 'embedding'; {way_out}")]
+        state = state["embedding"]
+    if not isinstance(state, torch.Tensor):
+        return [(MASK_EMBEDDING_FILE, type(state).__name__, f"a tensor; {way_out}")]
+    if state.numel() != spec.hidden_size or not state.is_floating_point():
+        return [(f"{MASK_EMBEDDING_FILE}: embedding", f"{list(state.shape)} {state.dtype}",
+                 f"{spec.hidden_size} floating-point values (hidden_size)")]
+    if not bool(torch.isfinite(state).all()):
+        return [(f"{MASK_EMBEDDING_FILE}: embedding", "non-finite values",
+                 "finite values (NaN/inf would reach every mask row)")]
+    return []
 
 
 # -- candidate vocabulary -----------------------------------------------------------

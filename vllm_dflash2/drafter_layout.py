@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .drafter_format import SPECULATORS_TYPE
+from .drafter_format import speculators_type
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -39,7 +39,7 @@ def effective_config(raw: dict) -> dict:
     (``causal`` from ``sliding_window_non_causal``) and the aux ids become
     ``eagle_aux_hidden_state_layer_ids``.
     """
-    if raw.get("speculators_model_type") == SPECULATORS_TYPE:
+    if speculators_type(raw) is not None:
         cfg = dict(raw.get("transformer_layer_config") or {})
         aux = raw.get("aux_hidden_state_layer_ids") or []
         cfg["eagle_aux_hidden_state_layer_ids"] = aux

@@ -1,6 +1,7 @@
 """Drafter-vs-target validation, shared by the engine hook and `vllm-dflash2 check`.
 
-Everything here reads config.json files and safetensors headers only: no
+Everything here reads config.json files and safetensors headers only (and a
+``mask_embedding.pt``, one hidden-size vector, where a drafter ships one): no
 weights are loaded and no engine is started. Each problem names the field,
 the value found and what was expected; all problems are reported at once.
 """
@@ -15,11 +16,15 @@ from pathlib import Path
 from .drafter_format import (
     CANDIDATE_VOCAB_KEY,
     DFLASH2_ARCH,
+    DFLASH_ARCH,
+    MASK_EMBEDDING_FILE,
     SPECULATORS_TYPE,
     DrafterSpec,
+    FieldError,
     expected_tensor_shapes,
     load_candidate_vocab,
     load_drafter_spec,
+    mask_embedding_problems,
     optional_tensor_shapes,
     read_safetensors_header,
 )
@@ -103,8 +108,9 @@ def _config_problems(
     spec: DrafterSpec, target: TargetSpec, num_speculative_tokens: int | None
 ) -> list[Problem]:
     out: list[Problem] = []
-    if DFLASH2_ARCH not in spec.architectures:
-        out.append(Problem("architectures", spec.architectures, f"[{DFLASH2_ARCH!r}]"))
+    if not (spec.is_dflash2 or spec.is_plain_dflash):
+        out.append(Problem("architectures", spec.architectures,
+                           f"[{DFLASH2_ARCH!r}] or [{DFLASH_ARCH!r}] (plain DFlash)"))
     ids = spec.target_layer_ids
     if not ids:
         out.append(Problem("dflash_config.target_layer_ids", ids, "a non-empty list of layer ids"))
@@ -122,6 +128,13 @@ def _config_problems(
             + (f"; vLLM contracts the target's {target.hc_mult} mHC residual streams to "
                "hidden_size before handing out aux hidden states" if widened else ""),
         ))
+    if spec.target_hidden_size is None and spec.hidden_size != target.hidden_size:
+        out.append(Problem(
+            "target_hidden_size", None,
+            f"{target.hidden_size} (the target's): absent, vLLM sizes fc for the drafter's "
+            f"hidden_size={spec.hidden_size}; add \"target_hidden_size\": "
+            f"{target.hidden_size} to config.json",
+        ))
     if spec.hidden_size != target.hidden_size and not spec.has_own_embeddings:
         out.append(Problem(
             "hidden_size", spec.hidden_size,
@@ -136,6 +149,28 @@ def _config_problems(
             "dflash_config.mask_token_id", spec.mask_token_id,
             f"a token id in [0, {target.vocab_size - 1}]",
         ))
+    if spec.sample_from_anchor:
+        out.append(Problem(
+            "dflash_config.sample_from_anchor" if spec.fmt == "native" else "sample_from_anchor",
+            True, "false: vLLM's DFlash runtimes use the anchor as the bonus token and draft "
+            "from the mask rows only",
+        ))
+    if spec.is_dflash2:  # plain DFlash has no convs and no candidate selector
+        out += _dflash2_head_problems(spec)
+    if spec.block_size < 2:
+        out.append(Problem("dflash_config.block_size", spec.block_size, "an integer >= 2"))
+    elif num_speculative_tokens is not None and not (
+        1 <= num_speculative_tokens <= spec.block_size - 1
+    ):
+        out.append(Problem(
+            "num_speculative_tokens", num_speculative_tokens,
+            f"in [1, {spec.block_size - 1}] (block_size - 1 of this drafter)",
+        ))
+    return out
+
+
+def _dflash2_head_problems(spec: DrafterSpec) -> list[Problem]:
+    out: list[Problem] = []
     if spec.conv_group_size <= 0 or spec.hidden_size % spec.conv_group_size:
         out.append(Problem(
             "dflash_config.conv_group_size", spec.conv_group_size,
@@ -149,15 +184,6 @@ def _config_problems(
         ))
     if spec.selector_rank <= 0:
         out.append(Problem("dflash_config.selector_rank", spec.selector_rank, "a positive integer"))
-    if spec.block_size < 2:
-        out.append(Problem("dflash_config.block_size", spec.block_size, "an integer >= 2"))
-    elif num_speculative_tokens is not None and not (
-        1 <= num_speculative_tokens <= spec.block_size - 1
-    ):
-        out.append(Problem(
-            "num_speculative_tokens", num_speculative_tokens,
-            f"in [1, {spec.block_size - 1}] (block_size - 1 of this drafter)",
-        ))
     return out
 
 
@@ -241,13 +267,23 @@ def validate_drafter(
         return [Problem("model", str(drafter), "a local drafter directory with config.json")]
     try:
         spec = load_drafter_spec(path)
+    except FieldError as exc:
+        return [Problem(*p) for p in exc.problems]
     except ValueError as exc:
         return [Problem("config.json", str(path / "config.json"), f"a DFlash2 drafter config ({exc})")]
     problems = _config_problems(spec, target, num_speculative_tokens)
     problems += _layout_problems(json.loads((path / "config.json").read_text()), spec, runner)
     problems += _candidate_vocab_problems(path)
+    problems += [Problem(*p) for p in mask_embedding_problems(path, spec)]
     shapes, file_problems = tensor_shapes(path)
     problems += file_problems
+    for name in sorted(n for n in shapes if "mask_hidden" in n):
+        problems.append(Problem(
+            f"tensor {name}", list(shapes[name]),
+            f"absent: vLLM's DFlash loader refuses a mask_hidden weight; save it as "
+            f"{MASK_EMBEDDING_FILE} (torch.save of the [hidden_size] tensor) and drop it "
+            "from the safetensors",
+        ))
     if file_problems or any(p.field.startswith("dflash_config.conv") for p in problems):
         return problems  # shapes cannot be judged without readable files / a valid config
     for name, want in expected_tensor_shapes(spec, target.hidden_size).items():
