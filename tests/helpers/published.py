@@ -325,6 +325,7 @@ def build_tiny_published(path: Path, target: Path, layout: str, *, seed: int = 0
 
 
 def probe_mask_embedding(worker):
-    """(whether the drafter substitutes a separate mask embedding, that embedding)."""
+    """(whether the drafter substitutes a separate mask embedding, that embedding as a list)."""
     model = worker.model_runner.drafter.model.model
-    return bool(model.has_separate_mask_embedding), model.mask_embedding.detach().float().cpu()
+    return (bool(model.has_separate_mask_embedding),
+            model.mask_embedding.detach().float().cpu().tolist())
