@@ -1,6 +1,6 @@
 """Drafter fidelity: the drafts vLLM's V1 DFlash2 proposer makes for each published
 layout equal those of an independent pure-PyTorch reference of the whole draft pass
-(helpers/fidelity.py: HF target features, ``train.model`` built from the checkpoint's
+(helpers/fidelity.py: HF target features, ``train.drafter`` built from the checkpoint's
 config fields, the reference walk). Greedy drafts token for token; sampled drafts
 (seeded T = 1) token for token and the sparse q the rejection sampler got within
 float32 tolerance. Losslessness cannot see these bugs: a drafter whose window or

@@ -2,7 +2,7 @@
 
 For each draft the V1 proposer made (``layouts.layout_run``), the reference recomputes it
 from scratch: the target's tapped features with Hugging Face transformers (float32), the
-whole draft pass with ``vllm_dflash2.train.model`` built from the checkpoint's own config
+whole draft pass with ``vllm_dflash2.train.drafter`` built from the checkpoint's own config
 fields (``DraftConfig.from_hf_config``: windows, causality, sinks, value/embedding
 scales, multiplier + softcap, draft vocabulary), then the selector walk (``walk_ref``)
 with the walk seed the proposer derives for a seeded request. Nothing of vLLM runs here.
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from vllm_dflash2.train.target import target_features
-from vllm_dflash2.train.model import load_native, propose
+from vllm_dflash2.train.drafter import load_native, propose
 
 from . import layouts
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_dflash2.train.model import DraftConfig, DraftModel, block_loss, load_native, propose
+from vllm_dflash2.train.drafter import DraftConfig, DraftModel, block_loss, load_native, propose
 
 V, H = 96, 32
 

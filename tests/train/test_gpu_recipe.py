@@ -53,7 +53,7 @@ def test_recipe_runs_end_to_end_on_cpu(tmp_path, driver, capsys):
     """Datagen into a shard folder, training, offline tau, an export cut into files of at most
     --max-file-mb that rejoin into the trained drafter; the plan is printed first."""
     from vllm_dflash2.tools.tiny_models import build_tiny_target
-    from vllm_dflash2.train.model import load_native
+    from vllm_dflash2.train.drafter import load_native
 
     tpath = build_tiny_target(tmp_path / "t", hidden_size=64, num_layers=4, seed=2)
     work, out = tmp_path / "work", tmp_path / "out"

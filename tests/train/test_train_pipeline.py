@@ -10,7 +10,7 @@ import torch
 
 from vllm_dflash2.train.loop import sample_batch
 from vllm_dflash2.train.estimate import speculative_greedy
-from vllm_dflash2.train.model import DraftConfig, DraftModel, Head, block_loss, load_native
+from vllm_dflash2.train.drafter import DraftConfig, DraftModel, Head, block_loss, load_native
 from vllm_dflash2.train.target import target_features
 
 V, H, NL = 128, 64, 4
@@ -452,7 +452,7 @@ def test_init_from_starts_from_the_drafters_weights(tmp_path, tiny_run):
     records the lineage; flags that contradict D and drafters for another target are refused."""
     from vllm_dflash2.train import cli
     from vllm_dflash2.train.loop import collate, draw
-    from vllm_dflash2.train.model import drafter_head
+    from vllm_dflash2.train.drafter import drafter_head
     from vllm_dflash2.train.shards import read_shards
 
     tpath, data_dir = tiny_run

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from ..train.target import load_target
         from ..train.estimate import estimate_tau
-        from ..train.model import drafter_head, load_native
+        from ..train.drafter import drafter_head, load_native
 
         torch.set_num_threads(2)
         tmodel, tok, _ = load_target(target)

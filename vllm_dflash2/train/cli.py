@@ -28,7 +28,7 @@ from .card import write_card
 from .dist import Dist
 from .estimate import estimate_tau
 from .loop import head_to, micro_batches, train_variant
-from .model import DraftConfig, Head, param_count
+from .drafter import DraftConfig, Head, param_count
 from .prompts import held_out_prompts
 from .target import default_layer_ids, load_target
 from .vocab import coverage, rank_tokens, write as write_vocab
@@ -148,7 +148,7 @@ def load_init(args, target_path: str, variants: list[str]):
 
     from ..drafter_format import load_candidate_vocab
     from ..validation import target_spec_from_dir, validate_drafter
-    from .model import load_native
+    from .drafter import load_native
 
     path = Path(args.init_from)
     if not (path / "config.json").is_file():

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .model import DraftModel, Head, propose
+from .drafter import DraftModel, Head, propose
 from .prompts import chat_ids
 from .target import TappedLayers
 

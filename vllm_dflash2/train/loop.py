@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .dist import Dist
-from .model import DraftConfig, DraftModel, Head, block_loss, param_count
+from .drafter import DraftConfig, DraftModel, Head, block_loss, param_count
 
 WARMUP_STEPS = 20
 

@@ -13,7 +13,10 @@ vLLM's code: sliding windows (``use_swa`` + ``swa_window_size`` / ``sliding_wind
 ``layer_types``), causal layers, per-head attention sinks, a value scale, an input
 embedding scale, the candidate head's output multiplier and tanh softcap, and a draft
 vocabulary (own ``lm_head`` rows + ``d2t`` offsets). ``propose`` with ``return_q`` is the
-reference draft pass the fidelity tests hold vLLM's drafts against.
+reference draft pass the fidelity tests hold vLLM's drafts against. That is why its layer
+rules (``DraftConfig.layer_attention``) and config reading are its own and not derived from
+``drafter_layout`` / ``drafter_format``, which mirror vLLM: a shared rule would make a
+wrong rule agree with itself, and the fidelity tests would pass on it.
 """
 
 from __future__ import annotations
