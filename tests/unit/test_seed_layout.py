@@ -15,12 +15,12 @@ header carries every tensor name and shape, and ``check`` reads nothing else.
 
 import json
 import math
-import struct
 import subprocess
 import sys
 
 import pytest
 
+from helpers.published import published_tensors, write_sparse_safetensors
 from vllm_dflash2.cli import main as cli_main
 from vllm_dflash2.validation import target_spec_from_dir, validate_drafter
 
@@ -77,43 +77,10 @@ GLM_TARGET = {
 def seed_tensors() -> dict[str, tuple[int, ...]]:
     """The seed's tensors, written from the native format (docs: checkpoint formats),
     not from ``drafter_format``: the check's schema is what is under test."""
-    g = HIDDEN // GROUP
-    t = {"fc.weight": (HIDDEN, len(TARGET_LAYERS) * HIDDEN), "hidden_norm.weight": (HIDDEN,),
-         "norm.weight": (HIDDEN,),
-         "candidate_selector.predecessor_codebook": (VOCAB, RANK),
-         "candidate_selector.successor_codebook": (VOCAB, RANK),
-         "candidate_selector.hidden_projection.weight": (RANK, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-              p + "self_attn.q_norm.weight": (HEAD_DIM,),
-              p + "self_attn.k_norm.weight": (HEAD_DIM,),
-              p + "mlp.gate_proj.weight": (INTER, HIDDEN),
-              p + "mlp.up_proj.weight": (INTER, HIDDEN),
-              p + "mlp.down_proj.weight": (HIDDEN, INTER),
-              p + "input_layernorm.weight": (HIDDEN,),
-              p + "post_attention_layernorm.weight": (HIDDEN,)}
-        for conv in ("attention_conv", "mlp_conv"):
-            t |= {p + f"{conv}.base_kernel": (2, TAPS, HIDDEN),
-                  p + f"{conv}.kernel_projection.weight": (2 * TAPS * g, HIDDEN)}
-    return t
-
-
-def write_sparse_safetensors(path, shapes: dict[str, tuple[int, ...]], dtype="BF16", size=2):
-    """A valid safetensors file whose data is one hole: header, then truncate to size."""
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        n = math.prod(shape) * size
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-    return path
+    return published_tensors(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS,
+                             head_dim=HEAD_DIM, inter=INTER, taps=len(TARGET_LAYERS),
+                             target_hidden=HIDDEN, dflash2=True, vocab=VOCAB, rank=RANK,
+                             conv_taps=TAPS, group=GROUP)
 
 
 def write_seed(dir_, config=None, tensors=None):
