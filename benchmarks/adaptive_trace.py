@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
+# every method on the same GEMM (patches/cpu_gemm.py)
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the controller's state
 os.environ["VLLM_DFLASH2_ADAPTIVE"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))

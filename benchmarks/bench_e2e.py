@@ -65,7 +65,8 @@ from pathlib import Path
 
 # Every method's engine is up at once: 1 GiB of KV each holds 16 requests of 1024 tokens.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
+# every method on the same GEMM (patches/cpu_gemm.py)
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # reads the controller's state
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,8 @@ from pathlib import Path
 from statistics import median
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")  # every method on the same GEMM (patches.py)
+# every method on the same GEMM (patches/cpu_gemm.py)
+os.environ.setdefault("VLLM_DFLASH2_ALL_ENGINES", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 PROMPTS = [

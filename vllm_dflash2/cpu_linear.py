@@ -9,12 +9,12 @@ packed_linear.cpp) is the same product over a weight packed once at load time:
 SmolLM2-135M forward on 2 Zen 3 cores (``benchmarks/bench_cpu_gemm.py``). It serves
 every row count, so a layer holds one packed copy, never two.
 
-``patches.py`` routes vLLM's ``dispatch_cpu_unquantized_gemm`` through
+``patches/cpu_gemm.py`` routes vLLM's ``dispatch_cpu_unquantized_gemm`` through
 ``dispatch`` below. ``VLLM_DFLASH2_CPU_GEMM``: ``auto`` (default) takes float32
 layers on AVX2 CPUs without AVX-512 (where oneDNN has its fast kernels, and where
 this kernel is not measured); ``1`` takes them on any CPU with AVX2 + FMA; ``0``
 leaves vLLM's choice alone. It applies to engines that run a DFlash drafter (target and
-drafter), and to every engine with ``VLLM_DFLASH2_ALL_ENGINES=1`` (patches.py).
+drafter), and to every engine with ``VLLM_DFLASH2_ALL_ENGINES=1`` (patches/cpu_gemm.py).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class DFlash2Proposer(DFlashProposer):
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
-        # The zero-draft sampling shortcut (patches.py) applies to this engine's sampler.
+        # The zero-draft sampling shortcut (patches/sampler.py) applies to this engine's sampler.
         sampler = getattr(self._runner, "rejection_sampler", None)
         if sampler is not None:
             sampler.dflash_engine = True

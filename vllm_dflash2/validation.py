@@ -322,7 +322,7 @@ def claims_dflash2(path: str | os.PathLike) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Engine hooks (see patches.py)
+# Engine hooks (see patches/v1_gates.py)
 
 
 def validate_engine_args(args) -> None:

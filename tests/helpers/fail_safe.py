@@ -1,15 +1,15 @@
-"""collective_rpc probes for the fail-safe tests: the seeded CPU rewind (patches.py) and
-the drafter's non-finite guard (proposer.py). Run in the worker process; pickled by
-reference, so they live here and not in a test module."""
+"""collective_rpc probes for the fail-safe tests: the seeded CPU rewind
+(patches/seeded_rewind.py) and the drafter's non-finite guard (proposer.py). Run in the
+worker process; pickled by reference, so they live here and not in a test module."""
 
 from __future__ import annotations
 
 
 def seeded_rewinds(worker) -> int:
     """How many discarded samples of seeded requests the CPU rewind undid so far."""
-    from vllm_dflash2 import patches
+    from vllm_dflash2.patches import seeded_rewind
 
-    return patches.SEEDED_REWINDS
+    return seeded_rewind.SEEDED_REWINDS
 
 
 def _proposer(worker):

@@ -1,5 +1,5 @@
 """The packed float32 CPU GEMM (csrc/cpu/packed_linear.cpp) against its reference twin,
-and its routing into vLLM's CPU linear layers (cpu_linear.py, patches.py)."""
+and its routing into vLLM's CPU linear layers (cpu_linear.py, patches/cpu_gemm.py)."""
 
 import pytest
 import torch

@@ -69,7 +69,7 @@ def test_engine_start_refuses_mixed_layout(tiny_target, mixed_drafter):
     from vllm.engine.arg_utils import EngineArgs
 
     spec = {"method": "dflash", "model": str(mixed_drafter), "num_speculative_tokens": 7}
-    # The hook itself, as patches.py installs it.
+    # The hook itself, as the patch ledger installs it.
     with pytest.raises(DrafterValidationError) as hook:
         validate_engine_args(EngineArgs(model=str(tiny_target), speculative_config=spec))
     start = time.monotonic()

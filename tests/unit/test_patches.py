@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from vllm_dflash2 import compat, patches
+from vllm_dflash2.patches import sampler as sampler_patches
+from vllm_dflash2.patches import seeded_rewind, v1_gates
 
 
 @pytest.mark.parametrize("patch", patches.LEDGER + patches.CLI_LEDGER, ids=lambda p: f"{p.module}:{p.symbol}")
@@ -162,7 +164,7 @@ def test_cpu_expand_kernel_patched_matches_triton_semantics():
 
     import vllm.utils.cpu_triton_utils as cpu_tl
 
-    patches._fix_cpu_expand_kernel(cpu_tl)
+    sampler_patches.fix_cpu_expand_kernel(cpu_tl)
     assert getattr(cpu_tl._expand_kernel_impl, "_dflash2", False)
     fixed = cpu_tl._expand_kernel_impl
     temperature, cu, want = _expand_case()
@@ -207,7 +209,7 @@ def test_drafting_gate_is_per_request_for_dflash2():
 
     from vllm_dflash2 import proposer
 
-    patches._draft_per_request_at_context_end(gmr)
+    v1_gates.draft_per_request_at_context_end(gmr)
     gate = gmr.GPUModelRunner._input_fits_in_drafter
     assert getattr(gate, "_dflash2", False)
     [original] = [c.cell_contents for c in gate.__closure__ if callable(c.cell_contents)]
@@ -279,7 +281,7 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
 
     CpuPlatform.import_kernels()
     CpuPlatform.register_triton_kernel_overrides()
-    patches._sample_plainly_without_drafts(rs_mod)
+    sampler_patches.sample_plainly_without_drafts(rs_mod)
     forward = rs_mod.RejectionSampler.forward
     assert getattr(forward, "_dflash2", False)
     [original] = [c.cell_contents for c in forward.__closure__ if callable(c.cell_contents)]
@@ -353,7 +355,7 @@ def test_zero_draft_shortcut_leaves_other_engines_samplers_alone(monkeypatch):
 
     CpuPlatform.import_kernels()
     CpuPlatform.register_triton_kernel_overrides()
-    patches._sample_plainly_without_drafts(rs_mod)
+    sampler_patches.sample_plainly_without_drafts(rs_mod)
     forward = rs_mod.RejectionSampler.forward
     [upstream] = [c.cell_contents for c in forward.__closure__ if callable(c.cell_contents)]
     draws = []
@@ -366,7 +368,7 @@ def test_zero_draft_shortcut_leaves_other_engines_samplers_alone(monkeypatch):
                                     ("1", False, True)):
         monkeypatch.setenv("VLLM_DFLASH2_ALL_ENGINES", every)
         holder = type("Holder", (), {"forward": upstream})
-        patches._sample_plainly_without_drafts(type("M", (), {"RejectionSampler": holder}))
+        sampler_patches.sample_plainly_without_drafts(type("M", (), {"RejectionSampler": holder}))
         sampler = rs_mod.RejectionSampler(Sampler())
         if marked:
             sampler.dflash_engine = True
@@ -415,14 +417,14 @@ def test_seeded_cpu_rewind_restores_discarded_samples(monkeypatch):
     seeded requests advance; unseeded batches and non-CPU platforms keep upstream's code."""
     import torch
 
-    monkeypatch.setattr(patches, "_on_cpu_platform", lambda: True)
+    monkeypatch.setattr(seeded_rewind, "_on_cpu_platform", lambda: True)
     mod = _seeded_runner_module()
     Runner = mod.GPUModelRunner
     # Upstream's rewind on a CPU generator: the crash the patch is for.
     with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
         Runner([5, 6], [True, False])._bookkeeping_sync()
-    patches._rewind_discarded_seeded_samples(mod)
-    patches._rewind_discarded_seeded_samples(mod)  # idempotent
+    seeded_rewind.rewind_discarded_seeded_samples(mod)
+    seeded_rewind.rewind_discarded_seeded_samples(mod)  # idempotent
     assert getattr(Runner._bookkeeping_sync, "_dflash2", False)
     assert getattr(Runner._sample, "_dflash2", False)
 
@@ -431,28 +433,28 @@ def test_seeded_cpu_rewind_restores_discarded_samples(monkeypatch):
 
     # Request 0 (seed 5) is in a partial prefill, request 1 (seed 6) decodes, 2 is unseeded.
     runner = Runner([5, 6, None], [True, False, False])
-    before = patches.SEEDED_REWINDS
+    before = seeded_rewind.SEEDED_REWINDS
     runner._sample(None, None)
     generators = runner.input_batch.generators
     assert runner._bookkeeping_sync() == "bookkept"
-    assert patches.SEEDED_REWINDS == before + 1
+    assert seeded_rewind.SEEDED_REWINDS == before + 1
     assert runner.input_batch.generators is generators and sorted(generators) == [0, 1]
     runner.discard_request_mask.np[0] = False  # its last chunk
     drawn = runner._sample(None, None)
     assert drawn[0] == first_draws(5)  # as if the discarded sample had never been drawn
     assert drawn[1] != first_draws(6)  # a request that kept its sample moved on
     runner._bookkeeping_sync()
-    assert patches.SEEDED_REWINDS == before + 1
+    assert seeded_rewind.SEEDED_REWINDS == before + 1
     # Unseeded batch: nothing saved, upstream's loop finds no generator.
     plain = Runner([None, None], [True, False])
     plain._sample(None, None)
     assert plain._bookkeeping_sync() == "bookkept"
 
     # Not the CPU platform: upstream's methods stay (its generators have offsets).
-    monkeypatch.setattr(patches, "_on_cpu_platform", lambda: False)
+    monkeypatch.setattr(seeded_rewind, "_on_cpu_platform", lambda: False)
     other = _seeded_runner_module()
     original = other.GPUModelRunner._bookkeeping_sync
-    patches._rewind_discarded_seeded_samples(other)
+    seeded_rewind.rewind_discarded_seeded_samples(other)
     assert other.GPUModelRunner._bookkeeping_sync is original
 
 
@@ -465,7 +467,7 @@ def test_upstream_still_rewinds_discarded_samples_by_offset():
     import torch
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    patches._rewind_discarded_seeded_samples(gmr)
+    seeded_rewind.rewind_discarded_seeded_samples(gmr)
     method = gmr.GPUModelRunner._bookkeeping_sync
     if getattr(method, "_dflash2", False):
         [method] = [c.cell_contents for c in method.__closure__ if callable(c.cell_contents)]

