@@ -10,23 +10,22 @@ and then so that stale estimates get refreshed: ``explore_every`` steps after th
 choice at a batch size last changed, then at doubling gaps up to ``explore_max``
 steps while the choice holds, and up to ``hopeless_gap_factor`` times that where even
 full acceptance could not pay (``_hopeless``; there the first gap is ``explore_max``).
-A probe at a large batch size costs up to 2x a step (verification is compute-bound
-there), so a fixed 1-in-16 probe alone cost ~4%.
+The gaps grow because a probe at a large batch size costs up to twice a step
+(verification is compute-bound there): probing at a fixed rate is a fixed loss.
 
 Plain decoding is the baseline every choice is measured against, so its cost is
 never trusted on one step: a new batch size measures ``baseline_samples`` plain
 steps before deciding, and once speculating, the first probe and every fourth after
-it re-measure the baseline from scratch (that many plain steps). Seen on the CPU
-backend: with its plain cost resting on one step, batch 2 at T = 1 drafted 3-4
-tokens for ~50 steps at ~0.85x plain decoding (acceptance ~0.35 could never pay).
+it re-measure the baseline from scratch (that many plain steps): one stalled plain
+step taken as the baseline makes drafting look worth it where its acceptance never pays.
 A new batch size starts with one step of full K, unless a smaller batch size already
 shows that full K cannot pay (see ``_cannot_pay_below``), and only once: a step that
 also carries a prefill chunk is not measured, and the batch sizes a burst of arrivals
-passes through may only ever come with one (on the CPU backend a full-K try at batch
-3-4 beside the prefill of a burst of 16 requests took 1.0 s, twice the plain step, and
-came back with every burst); then k climbs from the
+passes through may only ever come with one, so a full-K try there (about twice a plain
+step beside the prefill) would come back with every burst; then k climbs from the
 probes, at most one past the largest k measured at that batch size, since a line
-through two noisy points can make every k look free.
+through two noisy points can make every k look free. What these rules were measured
+against: ``docs/performance.md``, "Measurements behind the code".
 
 Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
 median of the last ``window`` measurements of that (batch bucket, k), and k > 0
@@ -187,8 +186,8 @@ class AdaptiveSpeculation:
         (1 + k) tokens for a step whose cost grows like plain * (1 + a k), where a is the
         measured extra cost of one draft (at least ``min_probes`` k = 1 steps and the
         baseline, here or at a smaller bucket: verification only gets more compute-bound
-        with the batch). Such a bucket still probes, at long gaps: at batch 5-16 here a
-        k = 1 probe costs ~2 plain steps, 1-1.5% of all steps at 128-step gaps."""
+        with the batch). Such a bucket still probes, at long gaps: there a k = 1 probe
+        costs about two plain steps."""
         for smaller in sorted((x for x in self.samples if x <= b), reverse=True):
             measured = self.samples[smaller]
             if (len(measured.get(1, ())) < min_probes
@@ -242,10 +241,10 @@ class AdaptiveSpeculation:
             if best > 0 and (probes is None or probes.choice == 0):
                 count = _BASELINE_PHASE  # speculation just started: first re-check the baseline
             # ...unless plain decoding was chosen where drafting cannot pay: there a probe
-            # (and the flush of the deferred context before it) costs ~2 plain steps, and
-            # 16, 48, 112 steps in cost ~1% of a 500-step run at batch 8-16 here. That
+            # (and the flush of the deferred context before it) costs about two plain
+            # steps, and the early, short gaps would tax every run for nothing. That
             # verdict then rests on 4 probes: the median of 2 is their mean, and one
-            # stalled probe (2-3x here) would silence a batch size where drafting pays.
+            # stalled probe would silence a batch size where drafting pays.
             gap = (self.explore_max if best == 0 and self._hopeless(b, top, min_probes=4)
                    else self.explore_every)
             probes = self._probes[b] = _Probes(best, gap, step + gap, count)
@@ -338,8 +337,7 @@ class AdaptiveDrafting:
         # Steps that carried a prefill chunk cost more than a decode step: skip them.
         measured = t_prev is not None and cad.max_query_len <= k_prev + 1
         # Deferred context writes stay in the cost of the step that flushes them, mostly a
-        # probe after a run of k = 0 steps (at batch 8: a k = 1 probe after 128 plain
-        # steps wrote 1024 rows, ~2x a plain step, against 1.43x for a k = 1 step alone).
+        # probe after a run of k = 0 steps, which then costs more than a k = 1 step alone.
         # That is what such a probe costs, and the dearer estimate keeps probes rare
         # where drafting cannot pay (``AdaptiveSpeculation._hopeless``); steady drafting
         # flushes nothing, so it errs toward plain decoding. The record keeps the split.

@@ -1,13 +1,13 @@
 """The CPU backend's float32 linear layers on our packed AVX2 kernel.
 
-vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with
-AVX2 but no AVX-512 (where ``tools.machine.default_dtype`` picks float32), that GEMM
-takes 1.29x the packed kernel's time at one row, and ~1.35x its own one-row time at
-the 8 rows of a K = 7 verification step. ``ops.packed_linear`` (csrc/cpu/
-packed_linear.cpp) is the same product over a weight packed once at load time:
-0.66-0.78x oneDNN's time at 1-16 rows and 0.79-0.84x at 32-128 rows over a whole
-SmolLM2-135M forward on 2 Zen 3 cores (``benchmarks/bench_cpu_gemm.py``). It serves
-every row count, so a layer holds one packed copy, never two.
+vLLM's CPU linear layers run float32 through a prepacked oneDNN GEMM. On CPUs with AVX2
+but no AVX-512 (where ``tools.machine.default_dtype`` picks float32), that GEMM is
+slower than a weight-streaming kernel at decode sizes, and its cost grows with the rows
+of a verification step. ``ops.packed_linear`` (csrc/cpu/packed_linear.cpp) is the same
+product over a weight packed once at load time, faster than oneDNN at every row count
+measured, 1 to 128 (``docs/performance.md``, "The CPU GEMM";
+``benchmarks/bench_cpu_gemm.py``). It serves every row count, so a layer holds one
+packed copy, never two.
 
 ``patches/cpu_gemm.py`` routes vLLM's ``dispatch_cpu_unquantized_gemm`` through
 ``dispatch`` below. ``VLLM_DFLASH2_CPU_GEMM``: ``auto`` (default) takes float32

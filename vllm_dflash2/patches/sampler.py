@@ -56,8 +56,8 @@ def sample_plainly_without_drafts(mod: ModuleType) -> None:
                 # would also draw a [batch, vocab] exponential for "recovered" tokens that
                 # no request has (generators are only drawn for requests with drafts).
                 # Every logits row is then a bonus row, in order (one sampled row per
-                # request), so the sampler takes them as the plain path does: the gather
-                # copy alone cost 0.33 / 0.66 ms at batch 8 / 16 on the CPU backend.
+                # request), so the sampler takes them as the plain path does, without a
+                # gathered copy of the logits.
                 # Raw top-N logprobs of the bonus token are then what upstream's
                 # _get_logprobs_tensors computes: the same raw row, the same gather.
                 bonus = metadata.bonus_logits_indices

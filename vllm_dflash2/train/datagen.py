@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="hf: rows of the refilled batch")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=1024)
-    # Eager by default: compiled graphs answered 8% faster but took 99 s to start
-    # (benchmarks/results/datagen_cpu_compiled.json against datagen_cpu.json, 2 cores).
+    # Eager by default: compiled graphs buy a small gain for a long compile at start
+    # (docs/performance.md, "Distillation data").
     p.add_argument("--enforce-eager", action="store_true", default=True, help="vllm: no compiled graphs (default)")
     p.add_argument("--compile", dest="enforce_eager", action="store_false",
                    help="vllm: compiled graphs (~8%% faster on 2 CPU cores after ~100 s of compiling)")

