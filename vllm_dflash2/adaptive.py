@@ -296,6 +296,9 @@ class AdaptiveDrafting:
         self._k_prev = 0
         self._t_prev: float | None = None
         self._verified: tuple[list[int], object] | None = None
+        # Rows (seeded requests) that draft K while the rest of the step drafts the chosen k.
+        self.pinned_rows: list[int] = []
+        self._mixed = False
 
     def note_verified(self, num_draft_tokens: list[int], valid_counts) -> None:
         """The runner's verification of the previous step: drafts per request and the
@@ -316,26 +319,45 @@ class AdaptiveDrafting:
         self._observe(now, cad, write_seconds, pending_rows)  # the previous controller
         self.controller = self.controllers[bool(sampling_metadata.all_greedy)]
         k = self.controller.choose(cad.batch_size(), max_k)
-        if sampling_metadata.generators:
-            # A seeded request's samples depend on how many drafts each step verified,
-            # and timing-driven k would make reruns differ: keep K.
-            k = max_k
         if self.agree is not None:
             k = self.agree(k)
+        # A seeded request's samples depend on how many drafts each step verified, and a
+        # timing-driven k would make its reruns differ: seeded rows always draft K. The
+        # others keep k, so one seeded client does not pin the whole batch to K.
+        seeded = sorted(sampling_metadata.generators or ())
+        if k < max_k and seeded and len(seeded) >= cad.batch_size():
+            k = max_k  # every row is seeded: a uniform step of K
+        self.pinned_rows = seeded if k < max_k else []
+        self._mixed = bool(self.pinned_rows)
         self._k_prev, self._t_prev = k, now
         return k
+
+    def unpin(self, max_k: int) -> int:
+        """The runner cannot take per-row draft counts (asynchronous scheduling reads one
+        [batch, k] tensor): the step chosen with pinned rows drafts K for every row."""
+        if self.pinned_rows:
+            self.pinned_rows, self._mixed, self._k_prev = [], False, max_k
+        return self._k_prev
 
     def _observe(self, now: float, cad, written: float, pending_rows: int) -> None:
         k_prev, t_prev, verified = self._k_prev, self._t_prev, self._verified
         self._verified = None
+        mixed, self._mixed = self._mixed, False
         accepted: list[int] = []  # per verified request with drafts
-        if verified is not None and k_prev > 0:
+        drafted = 0
+        if verified is not None:
             num_drafts, valid = verified
-            valid = valid.tolist()
-            accepted = [v - 1 for n, v in zip(num_drafts, valid) if n > 0 and v > 0]
-            self.controller.observe_acceptance(k_prev, accepted, len(num_drafts))
-        # Steps that carried a prefill chunk cost more than a decode step: skip them.
-        measured = t_prev is not None and cad.max_query_len <= k_prev + 1
+            rows = [(n, v - 1) for n, v in zip(num_drafts, valid.tolist()) if n > 0 and v > 0]
+            by_k: dict[int, list[int]] = {}
+            for n, a in rows:  # seeded rows drafted K beside the others' k
+                by_k.setdefault(n, []).append(a)
+            for n, acc in by_k.items():
+                self.controller.observe_acceptance(n, acc, len(num_drafts))
+            accepted = [a for _, a in rows]
+            drafted = sum(n for n, _ in rows)
+        # Steps that carried a prefill chunk cost more than a decode step, and a step whose
+        # seeded rows drafted K beside the others' k costs neither: skip them.
+        measured = t_prev is not None and not mixed and cad.max_query_len <= k_prev + 1
         # Deferred context writes stay in the cost of the step that flushes them, mostly a
         # probe after a run of k = 0 steps, which then costs more than a k = 1 step alone.
         # That is what such a probe costs, and the dearer estimate keeps probes rare
@@ -349,5 +371,5 @@ class AdaptiveDrafting:
                 "batch": cad.batch_size(), "k": k_prev,
                 "max_query_len": cad.max_query_len, "measured": measured,
                 "greedy": self.controller is self.controllers[True],
-                "drafts": k_prev * len(accepted), "accepted": sum(accepted),
+                "drafts": drafted, "accepted": sum(accepted), "mixed": mixed,
                 "pending_rows": pending_rows})

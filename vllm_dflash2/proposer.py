@@ -150,11 +150,18 @@ class DFlash2Proposer(DFlashProposer):
             self._drafted = False
             return self._no_drafts(common_attn_metadata.batch_size())
         k, deferred = num_speculative_tokens, self.deferred
+        k_rows, pinned = None, ()  # k for the rows that are not pinned to K (seeded ones)
         if self.adaptive is not None:
             k = self.adaptive.choose(
                 common_attn_metadata, sampling_metadata, num_speculative_tokens,
                 deferred.take_write_seconds() if deferred else 0.0,
                 deferred.pending_rows if deferred else 0)
+            if self.adaptive.pinned_rows:
+                if getattr(self._runner, "use_async_scheduling", False):
+                    k = self.adaptive.unpin(num_speculative_tokens)
+                else:
+                    k_rows, pinned = k, set(self.adaptive.pinned_rows)
+                    k = num_speculative_tokens
         if deferred is not None:
             deferred.settle_departed()
         # Rows of a step after one that drafted include rejected drafts (written now and
@@ -174,7 +181,11 @@ class DFlash2Proposer(DFlashProposer):
             k, target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs,
         )
-        return self._drop_poisoned(drafts)
+        drafts = self._drop_poisoned(drafts)
+        if k_rows is None:
+            return drafts
+        rows = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
+        return [row if i in pinned else row[:k_rows] for i, row in enumerate(rows)]
 
     def _no_drafts(self, batch_size: int) -> torch.Tensor:
         """What a step that drafts nothing hands the runner (as at adaptive k = 0)."""

@@ -33,6 +33,10 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
 
+    mixed = [seeded[i] if i % 2 else SamplingParams(temperature=0.8, max_tokens=24,
+                                                    ignore_eos=True)
+             for i in range(len(prompts))]
+
     def counters_of(llm):
         return {m.name: m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
@@ -51,6 +55,13 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
                             for o in llm.generate(prompts, seeded, use_tqdm=False)]
                            for _ in range(2)]
             r["state_after_reruns"] = llm.collective_rpc(profiling.adaptive_state)[0]
+            # Seeded and unseeded rows in one batch: the seeded ones draft K (and so
+            # reproduce), the others keep the controller's k.
+            llm.collective_rpc(profiling.step_record)  # clears it
+            r["mixed_reruns"] = [[list(o.outputs[0].token_ids)
+                                  for o in llm.generate(prompts, mixed, use_tqdm=False)]
+                                 for _ in range(2)]
+            r["mixed_record"] = llm.collective_rpc(profiling.step_record)[0]
             # k = 0 on every step: adaptive's plain decoding, on its own.
             llm.collective_rpc(profiling.force_k, args=(0,))
             drafts = counters_of(llm)["vllm:spec_decode_num_draft_tokens"]
@@ -65,6 +76,12 @@ def test_engine_with_adaptive_speculation(tiny_target, tiny_drafter, monkeypatch
     r = run({"method": "dflash", "model": str(tiny_drafter), "num_speculative_tokens": K})
     spec, state, counters, reruns = r["outs"], r["state"], r["counters"], r["reruns"]
     assert reruns[0] == reruns[1], "seeded requests must reproduce with adaptive speculation on"
+    for i in range(1, len(prompts), 2):
+        assert r["mixed_reruns"][0][i] == r["mixed_reruns"][1][i], (
+            f"seeded request {i} beside unseeded ones did not reproduce")
+    mixed_steps = [s for s in r["mixed_record"] if s["mixed"]]
+    assert mixed_steps, "no step drafted K for seeded rows beside k < K for the others"
+    assert all(s["k"] < K and not s["measured"] for s in mixed_steps)
     assert r["plain"] == base[::2], "k = 0 on every step must give plain decoding's greedy output"
     assert r["plain_drafts"] == 0, f"k = 0 on every step drafted {r['plain_drafts']} tokens"
     for i in range(0, len(prompts), 2):

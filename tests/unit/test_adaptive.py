@@ -299,3 +299,38 @@ def test_tensor_parallel_ranks_draft_rank0s_k():
     assert rank0 != rank1  # each rank's own timing would choose its own k
     rank0, rank1 = _two_ranks(agree=True)
     assert rank0 == rank1 and any(rank0)
+
+
+def test_seeded_rows_draft_k_beside_the_others_k():
+    """A seeded request drafts K every step (its samples depend on the drafts verified),
+    without pinning the rest of the batch: they keep the controller's k, and such a mixed
+    step is not measured as a step of either k. A batch of seeded rows only drafts K."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_dflash2.adaptive import AdaptiveDrafting
+
+    drafting = AdaptiveDrafting(K)
+    now = [0.0]
+    drafting.clock = lambda: now[0]
+    cad = SimpleNamespace(batch_size=lambda: 3, max_query_len=1)
+    seeded_one = SimpleNamespace(all_greedy=False, generators={1: object()})
+    seeded_all = SimpleNamespace(all_greedy=False, generators={0: 1, 1: 1, 2: 1})
+    ks = []
+    for step in range(40):
+        now[0] += 0.01 + 0.02 * (drafting._k_prev > 0)  # drafting never pays here
+        k = drafting.choose(cad, seeded_one, K)
+        ks.append(k)
+        if k < K:
+            assert drafting.pinned_rows == [1]
+        else:
+            assert drafting.pinned_rows == []
+        drafting.note_verified([k, K if k < K else k, k], torch.tensor([1, 2, 1]))
+    assert 0 in ks, "the unseeded rows never left K"
+    measured_ks = {k for costs in drafting.controllers[False].cost.values() for k in costs}
+    # Only the one full-K try and uniform steps are measured: never a mixed step as k = 0.
+    assert 0 not in measured_ks, measured_ks
+    assert drafting.choose(SimpleNamespace(batch_size=lambda: 3, max_query_len=1),
+                           seeded_all, K) == K
+    assert drafting.pinned_rows == []
