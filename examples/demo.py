@@ -41,6 +41,9 @@ if (os.cpu_count() or 0) <= 4:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verdict import TIE_ULPS, first_divergence, judge  # noqa: E402
 
+from vllm_dflash2.tools.bench.metrics import (  # noqa: E402
+    acceptance_summary, metrics_delta, spec_decode_metrics)
+
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Explain in two sentences what a hash table is.",
@@ -82,25 +85,6 @@ def run_waves(llm, chats, max_tokens, concurrency, logprobs=None):
     return tokens, sum(map(len, tokens)) / elapsed, (top if logprobs else None)
 
 
-def spec_counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = list(m.values) if hasattr(m, "values") else m.value
-    return out
-
-
-def delta(before: dict, after: dict) -> dict:
-    out = {}
-    for name, value in after.items():
-        old = before.get(name)
-        if isinstance(value, list):
-            out[name] = [a - b for a, b in zip(value, old or [0] * len(value))]
-        else:
-            out[name] = value - (old or 0)
-    return out
-
-
 def cpu_flags() -> str:
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
@@ -111,7 +95,7 @@ def cpu_flags() -> str:
 
 def measure(llm, chats, args, levels, reference=False):
     """Each concurrency level once, after an untimed wave at that level: {c: (tokens,
-    tokens/s, counters)}; with ``reference``, each level's untimed run with top-2 raw
+    tokens/s, acceptance)}; with ``reference``, each level's untimed run with top-2 raw
     logits first (the reference tokens and the logits that judge a divergence)."""
     res, refs = {}, {}
     for c in levels:
@@ -119,9 +103,9 @@ def measure(llm, chats, args, levels, reference=False):
         if reference:
             ref_tokens, _, logits = run_waves(llm, chats, args.max_tokens, c, logprobs=2)
             refs[c] = (ref_tokens, logits)
-        before = spec_counters(llm)
+        before = spec_decode_metrics(llm)
         tokens, tps, _ = run_waves(llm, chats, args.max_tokens, c)
-        res[c] = (tokens, tps, delta(before, spec_counters(llm)))
+        res[c] = (tokens, tps, acceptance_summary(metrics_delta(before, spec_decode_metrics(llm))))
     return res, refs
 
 
@@ -215,12 +199,12 @@ def main() -> int:
     print("|---|---|---|---|---|---|" + ("---|" if stock else ""))
     detail = None
     for c in levels:
-        _, spec_tps, counters = spec[c]
+        _, spec_tps, acceptance = spec[c]
         _, base_tps, _ = plain[c]
-        drafts = counters.get("vllm:spec_decode_num_drafts", 0)
-        accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
-        tau = f"{1 + accepted / drafts:.2f}" if drafts else "-"
-        drafted_tokens = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+        drafts = acceptance["num_drafts"]
+        accepted = acceptance["num_accepted_tokens"]
+        tau = f"{acceptance['tau']:.2f}" if drafts else "-"
+        drafted_tokens = acceptance["num_draft_tokens"]
         # Steps that drafted: sequences' verification steps with k > 0 out of all decode steps.
         decoded = sum(map(len, spec[c][0])) - len(chats)  # the first token of each is the prefill's
         steps = drafts + max(decoded - drafts - accepted, 0)
@@ -231,9 +215,9 @@ def main() -> int:
             row += f" {stock[c][1]:.1f} ({base_tps / stock[c][1]:.2f}x) |"
         print(row)
         if c == levels[0] and drafts:
-            per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
             detail = (f"concurrency {c}: {drafted_tokens / drafts:.1f} tokens drafted per drafting "
-                      f"step; acceptance per position: " + ", ".join(f"{a / drafts:.2f}" for a in per_pos))
+                      f"step; acceptance per position: "
+                      + ", ".join(f"{a:.2f}" for a in acceptance["acceptance_per_pos"]))
     if detail:
         print(detail)
     if stock:

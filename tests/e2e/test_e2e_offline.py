@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import probes
+from vllm_dflash2.tools.bench.metrics import metrics_delta, spec_decode_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -35,14 +36,6 @@ def _prompts():
             for n in PROMPT_LENGTHS]
 
 
-def _counters(llm):
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = getattr(m, "value", None) if hasattr(m, "value") else list(m.values)
-    return out
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_target, tiny_drafter):
     base = _engine(tiny_target)
@@ -61,14 +54,14 @@ def test_greedy_output_identical_and_drafts_made(engines):
 
     base, spec = engines
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    before = _counters(spec)
+    before = spec_decode_metrics(spec)
     want = _tokens(base.generate(_prompts(), sp, use_tqdm=False))
     got = _tokens(spec.generate(_prompts(), sp, use_tqdm=False))
     assert got == want
-    after = _counters(spec)
-    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
-    draft_tokens = after["vllm:spec_decode_num_draft_tokens"] - before.get(
-        "vllm:spec_decode_num_draft_tokens", 0)
+    after = spec_decode_metrics(spec)
+    counted = metrics_delta(before, after)
+    drafts = counted["vllm:spec_decode_num_drafts"]
+    draft_tokens = counted["vllm:spec_decode_num_draft_tokens"]
     assert drafts > 0 and draft_tokens == K * drafts
     print("spec-decode counters:", after)
 

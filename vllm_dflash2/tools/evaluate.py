@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from .bench.metrics import acceptance_summary, metrics_delta, spec_decode_metrics
+
 
 def _load_prompts(path: str | None) -> list[dict]:
     if path is None:
@@ -32,43 +34,6 @@ def _load_prompts(path: str | None) -> list[dict]:
         except ValueError:
             out.append({"prompt": line, "kind": "all"})
     return out
-
-
-def _counters(llm) -> dict:
-    vals: dict = {}
-    for m in llm.get_metrics():
-        if not m.name.startswith("vllm:spec_decode"):
-            continue
-        if hasattr(m, "values"):
-            vals[m.name] = list(m.values)
-        elif hasattr(m, "value"):
-            vals[m.name] = m.value
-    return vals
-
-
-def _delta(after: dict, before: dict) -> dict:
-    out = {}
-    for k, v in after.items():
-        b = before.get(k)
-        if isinstance(v, list):
-            b = b or [0] * len(v)
-            out[k] = [x - y for x, y in zip(v, b)]
-        else:
-            out[k] = v - (b or 0)
-    return out
-
-
-def _summarize(d: dict) -> dict:
-    drafts = d.get("vllm:spec_decode_num_drafts", 0)
-    acc = d.get("vllm:spec_decode_num_accepted_tokens", 0)
-    per = d.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": d.get("vllm:spec_decode_num_draft_tokens", 0),
-        "num_accepted_tokens": acc,
-        "tau": 1.0 + acc / drafts if drafts else None,
-        "acceptance_per_pos": [x / drafts for x in per] if drafts else [],
-    }
 
 
 def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_tokens: int,
@@ -94,7 +59,7 @@ def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_
     for temp in temperatures:
         for kind, batch in texts.items():
             sp = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed, ignore_eos=False)
-            before = _counters(llm) if drafter else {}
+            before = spec_decode_metrics(llm) if drafter else {}
             t0 = time.time()
             ntok = 0
             for i in range(0, len(batch), concurrency):  # greedy tau does not depend on it
@@ -104,7 +69,8 @@ def run_vllm(target: str, drafter: str | None, prompts: list[dict], k: int, max_
             entry = {"prompts": len(batch), "concurrency": concurrency, "tokens": ntok, "seconds": dt,
                      "tokens_per_s": ntok / dt}
             if drafter:
-                entry.update(_summarize(_delta(_counters(llm), before)))
+                after = spec_decode_metrics(llm)
+                entry.update(acceptance_summary(metrics_delta(before, after)))
             res[f"T{temp:g}/{kind}"] = entry
     del llm
     return res

@@ -1,4 +1,6 @@
-"""An engine's own Prometheus counters, readable after other engines were built."""
+"""An engine's Prometheus counters: its own, readable after other engines were built, and
+vLLM's speculative-decoding counters between two reads (drafts, tau, acceptance per
+position)."""
 
 from __future__ import annotations
 
@@ -48,3 +50,48 @@ def spec_decode_counts(llm) -> tuple[float, float]:
     m = metric_values(llm, "vllm:spec_decode")
     return (m.get("vllm:spec_decode_num_drafts", 0.0),
             m.get("vllm:spec_decode_num_accepted_tokens", 0.0))
+
+
+def spec_decode_metrics(llm) -> dict:
+    """Every ``vllm:spec_decode*`` metric of ``LLM.get_metrics()`` by name: a number, or
+    a list for the per-position counters. For the engine built last (several engines
+    alive at once: ``spec_decode_counts`` on engines marked by ``keep_own_metrics``)."""
+    vals: dict = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        if hasattr(m, "values"):
+            vals[m.name] = list(m.values)
+        elif hasattr(m, "value"):
+            vals[m.name] = m.value
+    return vals
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    """``after - before`` per name, element-wise for lists; a name new in ``after`` counts
+    from zero."""
+    out = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            old = old or [0] * len(value)
+            out[name] = [a - b for a, b in zip(value, old)]
+        else:
+            out[name] = value - (old or 0)
+    return out
+
+
+def acceptance_summary(delta: dict) -> dict:
+    """Drafts, draft and accepted tokens, tau (mean acceptance length, the bonus token
+    included) and acceptance per draft position, from a ``metrics_delta`` of
+    ``spec_decode_metrics`` (tau None and no positions where nothing was drafted)."""
+    drafts = delta.get("vllm:spec_decode_num_drafts", 0)
+    accepted = delta.get("vllm:spec_decode_num_accepted_tokens", 0)
+    per_pos = delta.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": delta.get("vllm:spec_decode_num_draft_tokens", 0),
+        "num_accepted_tokens": accepted,
+        "tau": 1.0 + accepted / drafts if drafts else None,
+        "acceptance_per_pos": [x / drafts for x in per_pos] if drafts else [],
+    }
