@@ -90,6 +90,11 @@ VARIABLES: tuple[Var, ...] = (
         "1: the engine-wide patches (packed CPU GEMM, zero-draft sampling shortcut) also "
         "apply to engines without a DFlash drafter; benchmarks set it so that every method "
         "runs on the same GEMM.", _flag),
+    Var("VLLM_DFLASH2_OWN_MODELS", "bool", "0",
+        "1: vllm-dflash2's drafter model classes and native ops also where upstream's "
+        "serve the drafter (GPUs on the V2 runner; plain DFlash on GPUs' V1 runner), e.g. "
+        "to try our CUDA kernels. 0: ours only where upstream cannot serve it (the CPU "
+        "backend; DFlash2 on the V1 runner).", _flag),
     Var("VLLM_DFLASH2_MAX_POISONED_STEPS", "int >= 0", "8",
         "A drafting step whose draft logits or q hold NaN/inf drops the drafts of the "
         "requests affected (with a warning and a counter); after this many such steps in a "
@@ -111,6 +116,7 @@ _DEFAULTS: dict[str, object] = {
     "VLLM_DFLASH2_STEP_RECORD": 0,
     "VLLM_DFLASH2_CPU_GEMM": "auto",
     "VLLM_DFLASH2_ALL_ENGINES": False,
+    "VLLM_DFLASH2_OWN_MODELS": False,
     "VLLM_DFLASH2_MAX_POISONED_STEPS": 8,
     "VLLM_DFLASH2_CACHE": None,  # ~/.cache/vllm-dflash2, resolved by tools.assets
     "VLLM_DFLASH2_SKIP_BUILD": False,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..drafter_format import DFLASH2_ARCH, DFLASH_ARCH
+from .. import model_choice
 
 
 def register_model(registry: ModuleType) -> None:
-    """Serve DFlash2DraftModel checkpoints with our model class (V1 and V2), and plain
-    DFlashDraftModel ones with upstream's class plus the CPU context K-norm fix."""
+    """Register DFlash2DraftModel and DFlashDraftModel as lazy entries that pick our class
+    or upstream's when the drafter loads (``model_choice``: ours on the CPU backend and
+    for DFlash2 on the V1 runner, upstream's where it serves the drafter, ours everywhere
+    with VLLM_DFLASH2_OWN_MODELS=1)."""
     # Take the registry from its own module: `from vllm import ModelRegistry` fails
     # while vllm.model_executor.models is still initializing (CLI import order).
-    registry.ModelRegistry.register_model(DFLASH2_ARCH, "vllm_dflash2.model:DFlash2ForCausalLM")
-    registry.ModelRegistry.register_model(DFLASH_ARCH, "vllm_dflash2.model:DFlashForCausalLM")
+    model_choice.register(registry.ModelRegistry)
