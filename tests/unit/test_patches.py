@@ -275,11 +275,16 @@ def test_zero_draft_steps_sample_like_upstream_without_rejection(monkeypatch):
     upstream's [batch, vocab] recovered-token draw; steps with drafts, or asking for
     logprobs, run upstream's code."""
     import torch
+    import vllm.utils.cpu_triton_utils as cpu_tl
     import vllm.v1.sample.rejection_sampler as rs_mod
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.sample.sampler import Sampler
 
     CpuPlatform.import_kernels()
+    # Steps with drafts read per-token temperatures through the CPU expand kernel: the
+    # fixed one, as in every engine with the plugin (upstream's leaves them uninitialized,
+    # so two identical calls could differ when this test runs alone).
+    sampler_patches.fix_cpu_expand_kernel(cpu_tl)
     CpuPlatform.register_triton_kernel_overrides()
     sampler_patches.sample_plainly_without_drafts(rs_mod)
     forward = rs_mod.RejectionSampler.forward
