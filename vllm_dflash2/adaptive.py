@@ -296,9 +296,9 @@ class AdaptiveDrafting:
         self._k_prev = 0
         self._t_prev: float | None = None
         self._verified: tuple[list[int], object] | None = None
-        # Rows (seeded requests) that draft K while the rest of the step drafts the chosen k.
+        # Rows (seeded requests) that draft K while the rest of the step drafts the chosen k;
+        # non-empty means the step in flight is mixed (read by the next ``_observe``).
         self.pinned_rows: list[int] = []
-        self._mixed = False
 
     def note_verified(self, num_draft_tokens: list[int], valid_counts) -> None:
         """The runner's verification of the previous step: drafts per request and the
@@ -328,7 +328,6 @@ class AdaptiveDrafting:
         if k < max_k and seeded and len(seeded) >= cad.batch_size():
             k = max_k  # every row is seeded: a uniform step of K
         self.pinned_rows = seeded if k < max_k else []
-        self._mixed = bool(self.pinned_rows)
         self._k_prev, self._t_prev = k, now
         return k
 
@@ -336,13 +335,13 @@ class AdaptiveDrafting:
         """The runner cannot take per-row draft counts (asynchronous scheduling reads one
         [batch, k] tensor): the step chosen with pinned rows drafts K for every row."""
         if self.pinned_rows:
-            self.pinned_rows, self._mixed, self._k_prev = [], False, max_k
+            self.pinned_rows, self._k_prev = [], max_k
         return self._k_prev
 
     def _observe(self, now: float, cad, written: float, pending_rows: int) -> None:
         k_prev, t_prev, verified = self._k_prev, self._t_prev, self._verified
         self._verified = None
-        mixed, self._mixed = self._mixed, False
+        mixed = bool(self.pinned_rows)  # the step just verified, as chosen
         accepted: list[int] = []  # per verified request with drafts
         drafted = 0
         if verified is not None:
