@@ -35,6 +35,9 @@ so a wave measures its slowest request, not c-way throughput. Methods:
                     see the README)
   METHOD_onednn     offline only, for no_spec, dflash2, dflash2_adaptive: the same with
                     vLLM's own CPU GEMM (VLLM_DFLASH2_CPU_GEMM=0) instead of our packed one
+  METHOD_mp         served only, for no_spec, dflash2, dflash2_adaptive: the server with
+                    VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's default), the unsuffixed ones
+                    with this process's setting; speedups against no_spec_mp
 
     python benchmarks/bench_e2e.py [--dflash-drafter DIR] [--mode offline|served|both]
 
@@ -77,11 +80,24 @@ ONEDNN = "_onednn"  # suffix: the method on vLLM's own CPU GEMM (VLLM_DFLASH2_CP
 TWIN_BASE = "no_spec_twin"  # a second engine without speculation: the A/A control
 DIAGNOSTIC = ["dflash2_k0", TWIN_BASE] + [m + ONEDNN for m in ("no_spec", "dflash2",
                                                                  "dflash2_adaptive")]
+# Served only: the server keeps vLLM's default multiprocessing (a worker process beside an
+# engine core that spins on the queue between them); the unsuffixed servers take this
+# process's VLLM_ENABLE_V1_MULTIPROCESSING. Its speedups are taken against no_spec_mp.
+MP = "_mp"
+SERVED_ONLY = [m + MP for m in ("no_spec", "dflash2", "dflash2_adaptive")]
 _USER_GEMM = os.environ.get("VLLM_DFLASH2_CPU_GEMM")
 
 
 def base_method(method: str) -> str:
-    return method[: -len(ONEDNN)] if method.endswith(ONEDNN) else method
+    for suffix in (ONEDNN, MP):
+        if method.endswith(suffix):
+            return method[: -len(suffix)]
+    return method
+
+
+def baseline_of(method: str) -> str:
+    """The plain-decoding method a method's speedup is taken against."""
+    return "no_spec" + MP if method.endswith(MP) else "no_spec"
 
 
 def spec_config(method: str, args) -> tuple[dict | None, str]:
@@ -315,8 +331,11 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
                           "--max-num-seqs", str(max(args.concurrency)), "--seed", "0"]
             if spec is not None:
                 serve_args += ["--speculative-config", json.dumps(spec)]
+            env = {"VLLM_DFLASH2_ADAPTIVE": adaptive}
+            if m.endswith(MP):
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             server = stack.enter_context(Server(args.target, serve_args, workdir / f"server_{m}.log",
-                                                env={"VLLM_DFLASH2_ADAPTIVE": adaptive}, timeout=600))
+                                                env=env, timeout=600))
             urls[m] = server.base
             _bench_serve(server.base, args, prompt_file, workdir, f"warmup_{m}.json", 2, 2, 0.0, 16)
         for temperature, c, r in _points(args):
@@ -345,12 +364,13 @@ def run_served(methods: list[str], args, prompt_file: Path, workdir: Path) -> li
 
 # -- report --------------------------------------------------------------------
 def add_speedups(rows: list[dict]) -> None:
-    """Speedup over no_spec at the same point: pooled over the rounds (tokens / seconds
-    of all rounds), and per round (every method measures a point in turn within a round)."""
-    base = {(r["mode"], r["temperature"], r["concurrency"]): r
-            for r in rows if r["method"] == "no_spec"}
+    """Speedup over no_spec (no_spec_mp for the *_mp servers) at the same point: pooled
+    over the rounds (tokens / seconds of all rounds), and per round (every method measures
+    a point in turn within a round)."""
+    base = {(r["method"], r["mode"], r["temperature"], r["concurrency"]): r
+            for r in rows if r["method"] in ("no_spec", "no_spec" + MP)}
     for r in rows:
-        b = base.get((r["mode"], r["temperature"], r["concurrency"]))
+        b = base.get((baseline_of(r["method"]), r["mode"], r["temperature"], r["concurrency"]))
         r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
         r["speedup_by_round"] = [x / y for x, y in zip(r["tokens_per_s_by_round"],
                                                        b["tokens_per_s_by_round"])] if b else None
@@ -398,7 +418,7 @@ def markdown(rows: list[dict], methods: list[str]) -> str:
                     if r.get("speedup_by_round_ci95"):
                         lo, hi = r["speedup_by_round_ci95"]
                         extra += f" {lo:.2f}-{hi:.2f}"
-                    elif len(per_round) > 1 and m != "no_spec":
+                    elif len(per_round) > 1 and m != baseline_of(m):
                         extra += f" {min(per_round):.2f}-{max(per_round):.2f}"
                     extra += f", tau {r['tau']:.2f})" if r.get("tau") else ")"
                     cells.append(f"{r['tokens_per_s']:.1f}{extra}")
@@ -441,7 +461,8 @@ def main():
     parser.add_argument("--drafter", help="DFlash2 drafter (default: the shipped one)")
     parser.add_argument("--dflash-drafter", help="plain DFlash drafter (same pipeline, same data)")
     parser.add_argument("--mode", choices=["offline", "served", "both"], default="both")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + DIAGNOSTIC)
+    parser.add_argument("--methods", nargs="+", default=METHODS,
+                        choices=METHODS + DIAGNOSTIC + SERVED_ONLY)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("-k", type=int, default=7)
@@ -463,7 +484,7 @@ def main():
                              "measured before has stopped spinning")
     parser.add_argument("--waves", type=int, default=2,
                         help="sustained offline: time c * max_tokens * waves output tokens")
-    parser.add_argument("--served-methods", nargs="+", choices=METHODS, default=None,
+    parser.add_argument("--served-methods", nargs="+", choices=METHODS + SERVED_ONLY, default=None,
                         help="methods for the served mode (default: --methods); every server "
                              "stays up for the whole run, so memory bounds how many")
     parser.add_argument("--dtype", default=None,
@@ -485,6 +506,9 @@ def main():
             parser.error(f"--block-steps {args.block_steps} / --warmup-steps "
                          f"{args.warmup_steps}: expected >= 1 / >= 0")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine in this process
+    if args.mode == "offline" and set(args.methods) & set(SERVED_ONLY):
+        parser.error(f"--methods {' '.join(set(args.methods) & set(SERVED_ONLY))}: the *{MP} "
+                     "methods are servers (pass --mode served or both)")
     if args.step_record:
         os.environ["VLLM_DFLASH2_STEP_RECORD"] = "100000"  # read by the workers it spawns
 
@@ -515,7 +539,8 @@ def main():
         prompt_file = workdir / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         if args.mode in ("offline", "both"):
-            offline, controller, records = run_offline(methods, args, prompts)
+            offline, controller, records = run_offline(
+                [m for m in methods if m not in SERVED_ONLY], args, prompts)
             rows += offline
         if args.mode in ("served", "both"):
             served = [m for m in (args.served_methods or methods)
