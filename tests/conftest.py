@@ -56,3 +56,18 @@ def peaked_spec(peaked_models):
     yield llm
     del llm
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def peaked_plain(peaked_models):
+    """A plain engine (no speculation) on the peaked target: the reference a module's
+    speculative outputs are compared with. Per module, so that few engines live at once."""
+    import gc
+
+    from helpers.probes import tiny_llm
+
+    target, _ = peaked_models
+    llm = tiny_llm(target, max_model_len=256)
+    yield llm
+    del llm
+    gc.collect()

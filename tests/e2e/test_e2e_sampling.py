@@ -18,7 +18,6 @@ already gives wrong-q p-values below 1e-11 at every position, so N=2000 has a wi
 margin both ways.
 """
 
-import gc
 from collections import Counter
 
 import pytest
@@ -72,18 +71,9 @@ def _spec_counts(llm) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def base(peaked_models):
-    target, _ = peaked_models
-    llm = probes.tiny_llm(target, max_model_len=256)
-    yield llm
-    del llm
-    gc.collect()
-
-
-@pytest.fixture(scope="module")
-def reference(base):
+def reference(peaked_plain):
     """No-speculation samples, one set per parameter setting."""
-    return {pid: _samples(base, 10_000, **params) for pid, params in zip(PARAM_IDS, PARAMS)}
+    return {pid: _samples(peaked_plain, 10_000, **params) for pid, params in zip(PARAM_IDS, PARAMS)}
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=PARAM_IDS)

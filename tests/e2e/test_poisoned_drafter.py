@@ -46,15 +46,6 @@ def _greedy(llm):
 
 
 @pytest.fixture(scope="module")
-def base(peaked_models):
-    target, _ = peaked_models
-    llm = probes.tiny_llm(target, max_model_len=256)
-    yield llm
-    del llm
-    gc.collect()
-
-
-@pytest.fixture(scope="module")
 def spec(peaked_models):
     target, drafter = peaked_models
     llm = probes.tiny_llm(target, drafter, max_model_len=256, env=probes.FIXED_K)
@@ -72,9 +63,9 @@ def healthy_after(spec):
     spec.collective_rpc(fail_safe.reset_fail_safe, args=(8,))
 
 
-def test_poisoned_drafter_keeps_greedy_output_and_stops_drafting(base, healthy_after):
+def test_poisoned_drafter_keeps_greedy_output_and_stops_drafting(peaked_plain, healthy_after):
     spec = healthy_after
-    want = _greedy(base)
+    want = _greedy(peaked_plain)
     acc0, drafted0 = _spec_counts(spec)
     assert _greedy(spec) == want
     acc1, drafted1 = _spec_counts(spec)
@@ -97,12 +88,12 @@ def test_poisoned_drafter_keeps_greedy_output_and_stops_drafting(base, healthy_a
     assert spec.collective_rpc(fail_safe.fail_safe_stats) == [stats]
 
 
-def test_poisoned_q_never_reaches_the_sampler_at_t1(base, healthy_after):
+def test_poisoned_q_never_reaches_the_sampler_at_t1(peaked_plain, healthy_after):
     """T = 1, every drafting step poisoned (the stop switched off): the chi-square test of
     test_e2e_sampling against plain sampling holds, and nothing poisoned was verified."""
     spec = healthy_after
     params = PARAMS[0]
-    want = _samples(base, 10_000, **params)
+    want = _samples(peaked_plain, 10_000, **params)
     spec.collective_rpc(fail_safe.reset_fail_safe, args=(0,))
     assert spec.collective_rpc(fail_safe.poison_drafter) == [True]
     _, drafted0 = _spec_counts(spec)
@@ -117,9 +108,9 @@ def test_poisoned_q_never_reaches_the_sampler_at_t1(base, healthy_after):
     assert min(pvals) > ALPHA / K, pvals
 
 
-def test_only_the_marked_requests_lose_their_drafts(base, healthy_after):
+def test_only_the_marked_requests_lose_their_drafts(peaked_plain, healthy_after):
     spec = healthy_after
-    want = _greedy(base)
+    want = _greedy(peaked_plain)
     spec.collective_rpc(fail_safe.reset_fail_safe, args=(0,))
     assert spec.collective_rpc(fail_safe.poison_marked_requests, args=(MARK,)) == [True]
     acc0, drafted0 = _spec_counts(spec)
