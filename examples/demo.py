@@ -29,14 +29,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TQDM_DISABLE", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch deprecations inside vLLM
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-# vLLM's CPU binding keeps one core per worker for the engine process, and runs the worker
-# in a process of its own; on a machine this small the worker's GEMMs gain more from every
-# core, and the engine from running the worker in its own process, this one
-# (docs/performance.md). In-process engines also let each engine below read its own
-# VLLM_DFLASH2_ALL_ENGINES when it loads.
-if (os.cpu_count() or 0) <= 4:
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# On 4 cores or fewer the worker gets every core and runs in this process, as with
+# `vllm-dflash2 serve` (vllm_dflash2/small_machine.py, imports no vLLM). In-process engines
+# also let each engine below read its own VLLM_DFLASH2_ALL_ENGINES when it loads.
+from vllm_dflash2 import small_machine  # noqa: E402
+
+small_machine.apply(cpu_backend=True)  # the demo runs the CPU backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verdict import TIE_ULPS, first_divergence, judge  # noqa: E402
