@@ -368,7 +368,7 @@ def add_speedups(rows: list[dict]) -> None:
     over the rounds (tokens / seconds of all rounds), and per round (every method measures
     a point in turn within a round)."""
     base = {(r["method"], r["mode"], r["temperature"], r["concurrency"]): r
-            for r in rows if r["method"] in ("no_spec", "no_spec" + MP)}
+            for r in rows if r["method"] == baseline_of(r["method"])}
     for r in rows:
         b = base.get((baseline_of(r["method"]), r["mode"], r["temperature"], r["concurrency"]))
         r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
