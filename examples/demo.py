@@ -11,16 +11,19 @@ compares two engines on the same GEMM. Where the plugin's packed float32 GEMM ap
 CPUs without AVX-512), it also speeds up plain decoding: that gain is its own row (plain
 vLLM with its own GEMM), not credited to speculation.
 
+The engines live in this process and are stepped in turn, one engine step each, on the same
+requests (as `benchmarks/bench_e2e.py --load lockstep`): run one after another, two engines
+lie seconds apart and a slow spell of the machine lands on one of them only; stepped in
+turn, it lands on both alike. Each engine's tokens/s is over its own steps.
+
 Greedy outputs are compared prompt by prompt; where they differ (possible in bfloat16,
 never expected in float32) each divergence is judged a numerical near-tie or a bug on the
 plain engine's top-2 raw logits (`verdict.py`); the exit status is 1 on a bug.
 """
 
 import argparse
-import gc
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -28,19 +31,24 @@ from pathlib import Path
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TQDM_DISABLE", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch deprecations inside vLLM
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; 4 prompts need little
 # On 4 cores or fewer the worker gets every core and runs in this process, as with
 # `vllm-dflash2 serve` (vllm_dflash2/small_machine.py, imports no vLLM). In-process engines
 # also let each engine below read its own VLLM_DFLASH2_ALL_ENGINES when it loads.
 from vllm_dflash2 import small_machine  # noqa: E402
 
 small_machine.apply(cpu_backend=True)  # the demo runs the CPU backend
+# Engines stepped in turn must run here, whatever the core count.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verdict import TIE_ULPS, first_divergence, judge  # noqa: E402
 
+from vllm_dflash2.tools.bench.load import (  # noqa: E402
+    ExcludingClock, SustainedLoad, chat_prompts, in_turn)
 from vllm_dflash2.tools.bench.metrics import (  # noqa: E402
     acceptance_summary, metrics_delta, spec_decode_metrics)
+from vllm_dflash2.tools.bench.profiling import install_clock  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -65,22 +73,32 @@ def make_llm(target, drafter, k, dtype, *, our_gemm: bool):
                disable_log_stats=False, logprobs_mode="raw_logits", use_tqdm_on_load=False)
 
 
-def run_waves(llm, chats, max_tokens, concurrency, logprobs=None):
-    """The prompts in waves of ``concurrency`` requests (each wave waits for the last):
-    (token ids per prompt, tokens/s over all waves, top raw logits per prompt or None)."""
+def greedy(max_tokens, logprobs=None):
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
-    tokens, top, elapsed = [], [], 0.0
-    for i in range(0, len(chats), concurrency):
-        start = time.perf_counter()
-        outs = llm.chat(chats[i:i + concurrency], sp, use_tqdm=False)
-        elapsed += time.perf_counter() - start
-        tokens += [list(o.outputs[0].token_ids) for o in outs]
-        if logprobs:  # per position: {token id: (raw logit, decoded text)}
-            top += [[{t: (lp.logprob, lp.decoded_token) for t, lp in pos.items()}
-                     for pos in o.outputs[0].logprobs] for o in outs]
-    return tokens, sum(map(len, tokens)) / elapsed, (top if logprobs else None)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def in_turn_run(engines: dict, prompts: list, c: int, max_tokens: int, clocks: dict):
+    """``prompts`` through every engine, ``c`` in flight (a finished request's slot goes to
+    the next prompt), the engines stepped in turn: {name: (token ids per prompt, tokens/s
+    over that engine's own steps)}."""
+    loads = {n: SustainedLoad(llm, prompts, lambda: greedy(max_tokens), c, total=len(prompts))
+             for n, llm in engines.items()}
+    timed = in_turn(loads, clocks)
+    return {n: (loads[n].finished_in_order(), tokens / seconds)
+            for n, (tokens, seconds) in timed.items()}
+
+
+def reference(llm, prompts: list, c: int, max_tokens: int):
+    """The plain engine alone, untimed, on the same schedule as ``in_turn_run``: (token ids
+    per prompt, top-2 raw logits per prompt: per position {token id: (logit, text)})."""
+    load = SustainedLoad(llm, prompts, lambda: greedy(max_tokens, logprobs=2), c,
+                         total=len(prompts))
+    in_turn({"plain": load})
+    top = [[{t: (lp.logprob, lp.decoded_token) for t, lp in pos.items()}
+            for pos in load.logprobs[r]] for r in load.emitted]
+    return load.finished_in_order(), top
 
 
 def cpu_flags() -> str:
@@ -91,20 +109,24 @@ def cpu_flags() -> str:
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
-def measure(llm, chats, args, levels, reference=False):
-    """Each concurrency level once, after an untimed wave at that level: {c: (tokens,
-    tokens/s, acceptance)}; with ``reference``, each level's untimed run with top-2 raw
-    logits first (the reference tokens and the logits that judge a divergence)."""
-    res, refs = {}, {}
+def measure(engines: dict, prompts: list, args, levels):
+    """Each concurrency level once, every engine stepped in turn, after an untimed short run
+    at that level and the plain engine's untimed reference: ({c: {engine: (tokens, tokens/s)}},
+    {c: reference}, {c: the speculative engine's acceptance})."""
+    clocks = {}
+    if "spec" in engines:  # adaptive speculation times its own steps, not the others'
+        clock = clocks["spec"] = ExcludingClock()
+        if engines["spec"].collective_rpc(install_clock, args=(clock,))[0] != id(clock):
+            raise SystemExit("the demo steps its engines in turn in this process: unset "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING (the demo sets it to 0)")
+    res, refs, acceptance = {}, {}, {}
     for c in levels:
-        run_waves(llm, chats[:c], min(args.max_tokens, 16), c)
-        if reference:
-            ref_tokens, _, logits = run_waves(llm, chats, args.max_tokens, c, logprobs=2)
-            refs[c] = (ref_tokens, logits)
-        before = spec_decode_metrics(llm)
-        tokens, tps, _ = run_waves(llm, chats, args.max_tokens, c)
-        res[c] = (tokens, tps, acceptance_summary(metrics_delta(before, spec_decode_metrics(llm))))
-    return res, refs
+        in_turn_run(engines, prompts[:c], c, min(args.max_tokens, 16), clocks)
+        refs[c] = reference(engines["plain"], prompts, c, args.max_tokens)
+        before = spec_decode_metrics(engines["spec"])
+        res[c] = in_turn_run(engines, prompts, c, args.max_tokens, clocks)
+        acceptance[c] = acceptance_summary(metrics_delta(before, spec_decode_metrics(engines["spec"])))
+    return res, refs, acceptance
 
 
 def judge_level(plain_ref, spec_tokens, dtype):
@@ -164,32 +186,27 @@ def main() -> int:
     k = args.num_speculative_tokens
     # The packed GEMM takes float32 layers where it applies; there, stock vLLM is a third engine.
     gemm_row = dtype == "float32" and cpu_linear.enabled()
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     print(f"target {target.name}, drafter {drafter.name}, K = {k}, dtype {dtype}, "
           f"CPU flags: {cpu_flags()}")
     print(f"{len(PROMPTS)} prompts x {args.max_tokens} tokens, greedy, at concurrency "
-          f"{', '.join(map(str, levels))}; {2 + gemm_row} vLLM engines, one after another "
-          f"(about a minute each on an idle 2-core machine)...", flush=True)
+          f"{', '.join(map(str, levels))}; {2 + gemm_row} vLLM engines in this process, stepped "
+          f"in turn (about 3 minutes on an idle 2-core machine)...", flush=True)
 
-    llm = make_llm(target, drafter, k, dtype, our_gemm=True)
-    spec, _ = measure(llm, chats, args, levels)
-    del llm
-    gc.collect()
-    llm = make_llm(target, None, k, dtype, our_gemm=True)
-    plain, refs = measure(llm, chats, args, levels, reference=True)
-    del llm
-    gc.collect()
-    stock = None
+    engines = {"plain": make_llm(target, None, k, dtype, our_gemm=True)}
     if gemm_row:
-        llm = make_llm(target, None, k, dtype, our_gemm=False)
-        stock, _ = measure(llm, chats, args, levels)
-        del llm
-        gc.collect()
+        engines["stock"] = make_llm(target, None, k, dtype, our_gemm=False)
+    # Built last: vLLM's metrics (read for tau) are those of the engine built last.
+    engines["spec"] = make_llm(target, drafter, k, dtype, our_gemm=True)
+    prompts = chat_prompts(engines["plain"], PROMPTS)
+    res, refs, accept = measure(engines, prompts, args, levels)
+    spec = {c: (res[c]["spec"][0], res[c]["spec"][1], accept[c]) for c in levels}
+    plain = {c: res[c]["plain"] for c in levels}
+    stock = {c: res[c]["stock"] for c in levels} if gemm_row else None
 
     adaptive = os.environ.get("VLLM_DFLASH2_ADAPTIVE", "1").strip().lower() not in (
         "0", "false", "off", "no")
     label = f"DFlash2, up to K = {k} (adaptive)" if adaptive else f"DFlash2, K = {k}"
-    print(f"\n=== DFlash2 speculative decoding vs plain decoding (vLLM, greedy, {dtype}) ===")
+    print(f"\n=== {label} vs plain decoding (vLLM, greedy, {dtype}) ===")
     print("Speedup: tokens/s over plain decoding on the same GEMM; tau: mean acceptance length "
           "(tokens per verification step, bonus token included) when it drafts.")
     print("| requests in flight | plain tokens/s | DFlash2 tokens/s | speedup | tau | "
@@ -198,13 +215,13 @@ def main() -> int:
     detail = None
     for c in levels:
         _, spec_tps, acceptance = spec[c]
-        _, base_tps, _ = plain[c]
+        _, base_tps = plain[c]
         drafts = acceptance["num_drafts"]
         accepted = acceptance["num_accepted_tokens"]
         tau = f"{acceptance['tau']:.2f}" if drafts else "-"
         drafted_tokens = acceptance["num_draft_tokens"]
         # Steps that drafted: sequences' verification steps with k > 0 out of all decode steps.
-        decoded = sum(map(len, spec[c][0])) - len(chats)  # the first token of each is the prefill's
+        decoded = sum(map(len, spec[c][0])) - len(prompts)  # the first token of each is the prefill's
         steps = drafts + max(decoded - drafts - accepted, 0)
         share = f"{drafts / steps:.0%}" if steps else "-"
         row = (f"| {c} | {base_tps:.1f} | {spec_tps:.1f} | **{spec_tps / base_tps:.2f}x** | {tau} | "

@@ -33,24 +33,38 @@ class SustainedLoad:
 
     ``prompts`` cycle from index ``first`` (anything ``LLMEngine.add_request`` takes, e.g.
     token-id prompts; loads that should see different prompts pass different ``first``);
-    ``make_params()`` gives each request its ``SamplingParams``.
+    ``make_params()`` gives each request its ``SamplingParams``. With ``total``, only that
+    many requests are ever added, and the load is ``done`` once they have all finished.
     """
 
     def __init__(self, llm, prompts: list, make_params: Callable, concurrency: int,
-                 first: int = 0):
+                 first: int = 0, total: int | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency={concurrency}: expected >= 1")
         if not prompts:
             raise ValueError("prompts: expected at least one prompt, got none")
+        if total is not None and total < 1:
+            raise ValueError(f"total={total}: expected >= 1 or None")
         self.engine = llm.llm_engine
         if self.engine.has_unfinished_requests():
             raise RuntimeError("SustainedLoad: the engine already has unfinished requests")
         self._prompts, self._make_params, self._first = prompts, make_params, first
-        self.emitted: dict[str, int] = {}  # request id -> output tokens so far
+        self.total = total
+        self.emitted: dict[str, int] = {}  # request id -> output tokens so far, in added order
         self.outputs: dict[str, list[int]] = {}  # finished request id -> its tokens
+        self.logprobs: dict[str, list] = {}  # finished request id -> its logprobs, where asked
         self.lo, self.hi = concurrency, 0  # fewest and most unfinished requests at a step
-        for _ in range(concurrency):
+        for _ in range(concurrency if total is None else min(concurrency, total)):
             self._add()
+
+    @property
+    def done(self) -> bool:
+        return self.total is not None and len(self.outputs) == self.total
+
+    def finished_in_order(self) -> list[list[int]]:
+        """The finished requests' tokens in the order they were added (i.e. of the prompts
+        from ``first``)."""
+        return [self.outputs[r] for r in self.emitted if r in self.outputs]
 
     def _add(self) -> None:
         rid = f"sustained-{next(_ids)}"
@@ -70,7 +84,10 @@ class SustainedLoad:
             self.emitted[out.request_id] = n
             if out.finished:
                 self.outputs[out.request_id] = list(out.outputs[0].token_ids)
-                self._add()
+                if out.outputs[0].logprobs is not None:
+                    self.logprobs[out.request_id] = out.outputs[0].logprobs
+                if self.total is None or len(self.emitted) < self.total:
+                    self._add()
         return new
 
     def stop(self) -> None:
@@ -128,21 +145,47 @@ def lockstep(loads: dict, steps: int, clocks: dict | None = None,
     steps. ``clocks[name]``, where given, is told to leave out every other load's steps."""
     if steps < 1:
         raise ValueError(f"steps={steps}: expected >= 1")
-    clocks = clocks or {}
-    names = list(loads)
-    tokens = dict.fromkeys(names, 0)
-    seconds = dict.fromkeys(names, 0.0)
+    tally = _Tally(loads, clocks or {}, timer)
     for i in range(steps):
+        tally.round(i, list(loads))
+    return tally.result()
+
+
+def in_turn(loads: dict, clocks: dict | None = None,
+            timer: Callable[[], float] = time.perf_counter) -> dict[str, tuple[int, float]]:
+    """``lockstep`` until every load (each with a ``total``) is ``done``: a load that is
+    done drops out of the turn, the others go on. Returns each load's (tokens, seconds)."""
+    if any(load.total is None for load in loads.values()):
+        raise ValueError("in_turn: every load needs a total (SustainedLoad(..., total=N))")
+    tally = _Tally(loads, clocks or {}, timer)
+    i = 0
+    while names := [n for n, load in loads.items() if not load.done]:
+        tally.round(i, names)
+        i += 1
+    return tally.result()
+
+
+class _Tally:
+    """One round of ``lockstep``: a step of each of ``names``, starting at the i-th."""
+
+    def __init__(self, loads: dict, clocks: dict, timer: Callable[[], float]):
+        self.loads, self.clocks, self.timer = loads, clocks, timer
+        self.tokens = dict.fromkeys(loads, 0)
+        self.seconds = dict.fromkeys(loads, 0.0)
+
+    def round(self, i: int, names: list[str]) -> None:
         first = i % len(names) if names else 0
         for name in names[first:] + names[:first]:
-            t0 = timer()
-            tokens[name] += loads[name].step()
-            dt = timer() - t0
-            seconds[name] += dt
-            for other, clock in clocks.items():
+            t0 = self.timer()
+            self.tokens[name] += self.loads[name].step()
+            dt = self.timer() - t0
+            self.seconds[name] += dt
+            for other, clock in self.clocks.items():
                 if other != name:
                     clock.exclude(dt)
-    return {n: (tokens[n], seconds[n]) for n in names}
+
+    def result(self) -> dict[str, tuple[int, float]]:
+        return {n: (self.tokens[n], self.seconds[n]) for n in self.loads}
 
 
 def chat_prompts(llm, prompts: list[str]) -> list[dict]:
