@@ -101,24 +101,15 @@ def reference(llm, prompts: list, c: int, max_tokens: int):
     return load.finished_in_order(), top
 
 
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-
-
 def measure(engines: dict, prompts: list, args, levels):
     """Each concurrency level once, every engine stepped in turn, after an untimed short run
     at that level and the plain engine's untimed reference: ({c: {engine: (tokens, tokens/s)}},
     {c: reference}, {c: the speculative engine's acceptance})."""
-    clocks = {}
-    if "spec" in engines:  # adaptive speculation times its own steps, not the others'
-        clock = clocks["spec"] = ExcludingClock()
-        if engines["spec"].collective_rpc(install_clock, args=(clock,))[0] != id(clock):
-            raise SystemExit("the demo steps its engines in turn in this process: unset "
-                             "VLLM_ENABLE_V1_MULTIPROCESSING (the demo sets it to 0)")
+    clock = ExcludingClock()  # adaptive speculation times its own steps, not the others'
+    clocks = {"spec": clock}
+    if engines["spec"].collective_rpc(install_clock, args=(clock,))[0] != id(clock):
+        raise SystemExit("the demo steps its engines in turn in this process: unset "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING (the demo sets it to 0)")
     res, refs, acceptance = {}, {}, {}
     for c in levels:
         in_turn_run(engines, prompts[:c], c, min(args.max_tokens, 16), clocks)
@@ -172,7 +163,7 @@ def main() -> int:
                      f"1..{len(PROMPTS)}")
 
     from vllm_dflash2 import assets, cpu_linear
-    from vllm_dflash2.tools.machine import default_dtype
+    from vllm_dflash2.tools.machine import cpu_flags, default_dtype
 
     dtype = args.dtype or default_dtype()
     target = assets.ensure_target()
@@ -187,7 +178,7 @@ def main() -> int:
     # The packed GEMM takes float32 layers where it applies; there, stock vLLM is a third engine.
     gemm_row = dtype == "float32" and cpu_linear.enabled()
     print(f"target {target.name}, drafter {drafter.name}, K = {k}, dtype {dtype}, "
-          f"CPU flags: {cpu_flags()}")
+          f"CPU flags: {' '.join(cpu_flags()) or 'unknown'}")
     print(f"{len(PROMPTS)} prompts x {args.max_tokens} tokens, greedy, at concurrency "
           f"{', '.join(map(str, levels))}; {2 + gemm_row} vLLM engines in this process, stepped "
           f"in turn (about 3 minutes on an idle 2-core machine)...", flush=True)
