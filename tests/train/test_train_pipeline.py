@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from vllm_dflash2.train.card import WEIGHTS_SHA_LINE, weights_sha256
 from vllm_dflash2.train.loop import sample_batch
 from vllm_dflash2.train.estimate import speculative_greedy
 from vllm_dflash2.train.drafter import DraftConfig, DraftModel, Head, block_loss, load_native
@@ -404,6 +405,9 @@ def test_train_command_exports_resumes_and_trains_the_twin(tmp_path, capsys, mon
         card = (dest / "README.md").read_text()
         assert f"vllm-dflash2 train --target {tpath}" in card and "--max-steps 4" in card
         assert "`datagen seed 0`" in card  # how the data was made
+        # the card names the exported weights (tests/unit/test_shipped_drafter.py holds the
+        # shipped drafter to it)
+        assert WEIGHTS_SHA_LINE.format(weights_sha256(dest)) in card
 
 
 def test_train_reads_several_data_folders(tmp_path, capsys, tiny_run):

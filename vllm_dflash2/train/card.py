@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+
+WEIGHTS_SHA_LINE = "- weights: `model.safetensors`, sha256 `{}`"
+
+
+def weights_sha256(folder: str | Path) -> str:
+    """The checkpoint's hash, as the card records it: a card committed without its
+    weights (it happened once) is then caught by a test, not by a user's tau."""
+    h = hashlib.sha256()
+    with open(Path(folder) / "model.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _tau_table(variants: dict) -> str:
@@ -81,6 +94,7 @@ target's embedding of `mask_token_id` {dc['mask_token_id']}.
   intermediate {conf['intermediate_size']}, target layers {dc['target_layer_ids']} (raw layer outputs)
 - dflash_config: `{json.dumps(dc)}`
 - parameters: {v['params'] / 1e6:.2f} M, weights {size / 1e6:.1f} MB (bf16)
+{WEIGHTS_SHA_LINE.format(weights_sha256(dest))}
 - candidate vocabulary: {vocab_line}
 
 ## Data
