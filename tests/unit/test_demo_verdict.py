@@ -68,9 +68,19 @@ def test_tolerance_scales_with_the_logits_magnitude():
     assert not V.judge(10, 20, {10: 2.625, 20: 2.5}, "bfloat16").near_tie
 
 
-def test_token_outside_top2_fails():
+def test_token_outside_the_top_logits_fails():
     v = V.judge(10, 30, {10: 18.125, 20: 18.0}, "bfloat16")
     assert not v.near_tie and "top 2" in v.reason
+
+
+def test_third_choice_within_tolerance_is_a_near_tie():
+    # seen in bf16: '\n' 21.125, ' The' 21.0, end-of-text 20.75 (3 ulps below the top)
+    top = {198: 21.125, 378: 21.0, 2: 20.75, 3717: 20.5}
+    v = V.judge(198, 2, top, "bfloat16")
+    assert v.near_tie, v.reason
+    assert v.gap == pytest.approx(0.375)
+    # the same rank, 5 ulps below the top, is not
+    assert not V.judge(198, 2, {198: 21.125, 378: 21.0, 2: 20.5}, "bfloat16").near_tie
 
 
 def test_ended_output_fails():
