@@ -166,7 +166,8 @@ def in_turn(loads: dict, clocks: dict | None = None,
 
 
 class _Tally:
-    """One round of ``lockstep``: a step of each of ``names``, starting at the i-th."""
+    """Each load's tokens and seconds over the rounds of ``lockstep`` and ``in_turn``;
+    ``round(i, names)`` steps each of ``names`` once, starting at the i-th."""
 
     def __init__(self, loads: dict, clocks: dict, timer: Callable[[], float]):
         self.loads, self.clocks, self.timer = loads, clocks, timer
