@@ -5,11 +5,12 @@ E(k) = 1 + sum_{i<=k} P(first i drafts accepted) tokens per request. The
 controller measures both while serving (step wall time between two proposals,
 acceptance from the rejection sampler's counts) and drafts the k that maximizes
 E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at the
-current batch size it is switched off. It tries a neighbour of its choice now
-and then so that stale estimates get refreshed: ``explore_every`` steps after the
-choice at a batch size last changed, then at doubling gaps up to ``explore_max``
-steps while the choice holds, and up to ``hopeless_gap_factor`` times that where even
-full acceptance could not pay (``_hopeless``; there the first gap is ``explore_max``).
+current batch size it is switched off. It tries a neighbour of its choice now and then
+(from plain decoding: the drafting k it rates best) so that stale estimates get
+refreshed: ``explore_every`` steps after the choice at a batch size last changed, then at
+doubling gaps up to ``explore_max`` steps while the choice holds, and up to
+``hopeless_gap_factor`` times that where even full acceptance could not pay
+(``_hopeless``; there the first gap is ``explore_max``).
 The gaps grow because a probe at a large batch size costs up to twice a step
 (verification is compute-bound there): probing at a fixed rate is a fixed loss.
 
@@ -18,20 +19,25 @@ never trusted on one step: a new batch size measures ``baseline_samples`` plain
 steps before deciding, and once speculating, the first probe and every fourth after
 it re-measure the baseline from scratch (that many plain steps): one stalled plain
 step taken as the baseline makes drafting look worth it where its acceptance never pays.
-A new batch size starts with one step of full K, unless a smaller batch size already
-shows that full K cannot pay (see ``_cannot_pay_below``), and only once: a step that
-also carries a prefill chunk is not measured, and the batch sizes a burst of arrivals
-passes through may only ever come with one, so a full-K try there (about twice a plain
-step beside the prefill) would come back with every burst; then k climbs from the
-probes, at most one past the largest k measured at that batch size, since a line
-through two noisy points can make every k look free. What these rules were measured
-against: ``docs/performance.md``, "Measurements behind the code".
+A new batch size starts with two steps of full K (the first pays one-off set-up, see
+below), unless a smaller batch size already shows that full K cannot pay (see
+``_cannot_pay_below``), and only that once: a step that also carries a prefill chunk is
+not measured, and the batch sizes a burst of arrivals passes through may only ever come
+with one, so a full-K try there (about twice a plain step beside the prefill) would come
+back with every burst; then k climbs from the probes, at most one past the largest k
+measured at that batch size, since a line through two noisy points can make every k look
+free. What these rules were measured against: ``docs/performance.md``, "Measurements
+behind the code".
 
 Step times on a shared CPU are noisy (a 2-3x spike is common), so a cost is the
 median of the last ``window`` measurements of that (batch bucket, k), and k > 0
 must be estimated ``min_gain`` faster than plain decoding to be chosen: a marginal
 estimated gain is within the noise, and losing to plain decoding is the failure
-this controller exists to prevent.
+this controller exists to prevent. The first step of a (batch bucket, k) often pays
+one-off set-up for the new GEMM shapes (served, batch 1, bf16: 200 ms for the first
+K = 7 step against ~35 ms after it); a median of one sample would keep that until the
+pair is measured twice more, which a choice it rules out may never be, so a second
+measurement ``cold_factor`` times cheaper replaces the first.
 
 Pure Python on purpose: it runs once per step on the host and is unit-tested
 without an engine. ``AdaptiveDrafting`` (below) wires it into ``DFlash2Proposer``
@@ -82,7 +88,8 @@ class AdaptiveSpeculation:
                  window: int = 9, baseline_samples: int = 3,
                  accept_decay: float = 0.99, prior_accept: float = 0.7,
                  idle_factor: float = 4.0, min_gain: float = 0.1,
-                 hopeless_gap_factor: int = 8):
+                 hopeless_gap_factor: int = 8, cold_factor: float = 1.5,
+                 full_k_tries: int = 2):
         if max_k < 1:
             raise ValueError(f"max_k={max_k}: expected >= 1")
         self.max_k = max_k
@@ -94,15 +101,21 @@ class AdaptiveSpeculation:
         self.idle_factor = idle_factor
         self.min_gain = min_gain
         self.hopeless_gap_factor = max(1, hopeless_gap_factor)
-        # P(first i drafts accepted), i = 1..max_k, as decayed hit/trial counts (a memory
-        # of ~1/(1-decay) steps) plus one pseudo-trial of an optimistic prior, so that a
-        # position is tried before it is written off and one unlucky step cannot.
-        self.prior = [prior_accept**i for i in range(1, max_k + 1)]
-        self.hits = [0.0] * max_k
-        self.trials = [0.0] * max_k
+        self.cold_factor = cold_factor
+        self.full_k_tries = max(1, full_k_tries)
+        # P(draft i accepted | drafts before it accepted), i = 1..max_k, as decayed
+        # hit/trial counts (a memory of ~1/(1-decay) steps) plus one pseudo-trial of an
+        # optimistic prior, so that a position is tried before it is written off and one
+        # unlucky step cannot. Conditional, so that a step whose first draft was
+        # rejected says nothing about the later ones: counted as misses at every
+        # position, a few steps without acceptance wrote the last positions off long
+        # after acceptance came back (they are refreshed only by steps that draft K).
+        self.prior = [prior_accept] * max_k
+        self.hits = [0.0] * max_k  # requests that accepted draft i
+        self.trials = [0.0] * max_k  # requests that reached draft i (all before accepted)
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> k -> recent seconds per step
         self.steps: dict[int, int] = {}
-        self._tried_full: set[int] = set()  # buckets whose one full-K try is spent
+        self._full_tries: dict[int, int] = {}  # bucket -> full-K steps tried at a new bucket
         self._probes: dict[int, _Probes] = {}
         # For reports only: chosen k, all-time step count and seconds per (bucket, k), and
         # drafted / accepted tokens per bucket.
@@ -112,9 +125,10 @@ class AdaptiveSpeculation:
 
     @property
     def accept(self) -> list[float]:
+        """P(first i drafts accepted), i = 1..max_k."""
         out, last = [], 1.0
         for p, h, n in zip(self.prior, self.hits, self.trials):
-            last = min(last, (h + p) / (n + 1.0))  # cannot grow with position
+            last *= (h + p) / (n + 1.0)
             out.append(last)
         return out
 
@@ -130,15 +144,18 @@ class AdaptiveSpeculation:
             seen[1] += sum(accepted)
         for j in range(min(k_used, self.max_k)):
             self.hits[j] = self.accept_decay * self.hits[j] + sum(1 for a in accepted if a > j)
-            self.trials[j] = self.accept_decay * self.trials[j] + len(accepted)
+            self.trials[j] = (self.accept_decay * self.trials[j]
+                              + sum(1 for a in accepted if a >= j))
 
     def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
         b = bucket(batch_size)
         recent = self.samples.setdefault(b, {}).setdefault(k_used, deque(maxlen=self.window))
         if recent and seconds > self.idle_factor * median(recent):
             return  # the engine sat idle between two steps: not a step cost
-        recent.append(seconds)
         total = self.totals.setdefault(b, {}).setdefault(k_used, [0, 0.0])
+        if total[0] == 1 and len(recent) == 1 and recent[0] > self.cold_factor * seconds:
+            recent.clear()  # the pair's first step paid one-off set-up (module docstring)
+        recent.append(seconds)
         total[0] += 1
         total[1] += seconds
 
@@ -211,12 +228,13 @@ class AdaptiveSpeculation:
             return 0
         b = bucket(batch_size)
         measured = self.samples.get(b, {})
-        # A new batch size: measure full speculation once (unless a smaller batch size
-        # already shows it cannot pay), then plain decoding a few times (also after a
-        # baseline probe cleared it).
-        if (not measured.get(top) and b not in self._tried_full
-                and not self._cannot_pay_below(b, top)):
-            self._tried_full.add(b)
+        # A new batch size: measure full speculation (twice: the first step may pay
+        # set-up; unless a smaller batch size already shows it cannot pay), then plain
+        # decoding a few times (also after a baseline probe cleared it).
+        tries = self._full_tries.get(b, 0)
+        if (tries < self.full_k_tries and self.totals.get(b, {}).get(top, (0,))[0] < 2
+                and (tries or not self._cannot_pay_below(b, top))):
+            self._full_tries[b] = tries + 1
             return top
         if len(measured.get(0, ())) < self.baseline_samples:
             return 0
@@ -230,6 +248,10 @@ class AdaptiveSpeculation:
             cost = self.estimated_cost(batch_size, k, costs)
             rates.append(0.0 if cost is None else self.expected_tokens(k, accept) / cost)
         best = max(range(reach + 1), key=rates.__getitem__)
+        # The best drafting k, what a probe from plain decoding tries: with a large fixed
+        # cost of drafting (served, batch 1: k = 1 cost 1.5 plain steps, K = 7 1.6), a
+        # probe of one draft only ever says "no", and refreshes one position's acceptance.
+        best_drafting = max(range(1, reach + 1), key=rates.__getitem__) if reach else 1
         if best and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1
@@ -259,7 +281,9 @@ class AdaptiveSpeculation:
         if best > 0 and direction == "baseline":
             measured[0].clear()  # re-measured from scratch by the next plain steps
             return 0
-        return best + 1 if (direction == "up" and best < top) or best == 0 else best - 1
+        if best == 0:
+            return best_drafting
+        return best + 1 if direction == "up" and best < top else best - 1
 
     def snapshot(self) -> dict:
         return {"accept": list(self.accept),
@@ -357,13 +381,16 @@ class AdaptiveDrafting:
         # Steps that carried a prefill chunk cost more than a decode step, and a step whose
         # seeded rows drafted K beside the others' k costs neither: skip them.
         measured = t_prev is not None and not mixed and cad.max_query_len <= k_prev + 1
-        # Deferred context writes stay in the cost of the step that flushes them, mostly a
-        # probe after a run of k = 0 steps, which then costs more than a k = 1 step alone.
-        # That is what such a probe costs, and the dearer estimate keeps probes rare
-        # where drafting cannot pay (``AdaptiveSpeculation._hopeless``); steady drafting
-        # flushes nothing, so it errs toward plain decoding. The record keeps the split.
+        # Deferred context writes are left out of the step that flushes them, mostly a
+        # probe after a run of k = 0 steps: steady drafting flushes nothing, and a probe
+        # carrying the flush (served, batch 1: +10%, ~1.5x a plain step in all) made
+        # drafting look dearer than it is, so adaptive stayed plain where K = 7 paid
+        # 1.3x. Probes stay rare where drafting cannot pay: their gaps back off, longest
+        # where even full acceptance could not (``AdaptiveSpeculation._hopeless``).
+        # The record keeps the split.
         if measured:
-            self.controller.observe_step(cad.batch_size(), k_prev, now - t_prev)
+            self.controller.observe_step(cad.batch_size(), k_prev,
+                                         max(1e-6, now - t_prev - written))
         if self.step_record is not None and t_prev is not None:
             self.step_record.append({
                 "t": now, "seconds": now - t_prev, "context_write_s": written,

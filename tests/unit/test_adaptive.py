@@ -38,16 +38,18 @@ def _mode(xs):
 def test_no_acceptance_turns_speculation_off():
     ctl = AdaptiveSpeculation(K)
     chosen = _feed(ctl, 1, lambda k: 0.07 + 0.01 * k, accept_prob=0.0)
-    assert chosen[:2] == [K, 0]  # a new batch size measures full speculation, then none
+    # A new batch size measures full speculation twice (the first step may pay one-off
+    # set-up), then none.
+    assert chosen[:3] == [K, K, 0]
     assert _mode(chosen) == 0
     assert ctl.expected_tokens(K) == pytest.approx(1.0, abs=0.02)  # prior pseudo-trial left
 
 
-def test_full_k_is_tried_once_even_if_that_step_is_not_measured():
+def test_full_k_is_tried_twice_even_if_those_steps_are_not_measured():
     # Batch sizes passed through while a burst of requests is prefilled: their steps carry
     # prefill chunks and are not measured, so "full K not measured yet" stays true.
     ctl = AdaptiveSpeculation(K)
-    assert ctl.choose(6, K) == K
+    assert [ctl.choose(6, K) for _ in range(2)] == [K, K]
     assert [ctl.choose(6, K) for _ in range(20)] == [0] * 20  # unmeasured: plain decoding
     # Measured plain steps, high acceptance, cheap drafts: k climbs from the probes.
     chosen = _feed(ctl, 6, lambda k: 0.07 + 0.002 * k, accept_prob=0.95, steps=400)
@@ -197,8 +199,8 @@ def test_one_stalled_plain_step_does_not_start_speculation():
     cost = lambda k: 0.064 * (1 + 0.2 * k)  # noqa: E731
     ctl = AdaptiveSpeculation(K)
     chosen = _feed(ctl, 2, _stalling(cost, 1), accept_prob=0.3, steps=64)
-    assert chosen[0] == K and chosen[1:4] == [0, 0, 0]  # full K once, then the baseline
-    assert sum(k > 0 for k in chosen[4:]) <= 3  # probes only
+    assert chosen[:5] == [K, K, 0, 0, 0]  # full K, then the baseline
+    assert sum(k > 0 for k in chosen[5:]) <= 3  # probes only
 
 
 def test_plain_decoding_is_remeasured_while_speculating():
@@ -334,3 +336,73 @@ def test_seeded_rows_draft_k_beside_the_others_k():
     assert drafting.choose(SimpleNamespace(batch_size=lambda: 3, max_query_len=1),
                            seeded_all, K) == K
     assert drafting.pinned_rows == []
+
+
+def _cold_first_step(cost, cold_seconds):
+    """cost(k), except that the first step of each k costs ``cold_seconds`` (one-off set-up
+    for new GEMM shapes)."""
+    seen = set()
+
+    def f(k):
+        if k not in seen:
+            seen.add(k)
+            return cold_seconds
+        return cost(k)
+    return f
+
+
+def test_a_cold_first_step_does_not_rule_out_full_k():
+    # Batch 1, bf16 served: the first K = 7 step took 200 ms against ~35 ms after it, and a
+    # median of that one step kept K out (and the line through it every k > 2).
+    cost = lambda k: 0.025 * (1 + 0.2 * (k > 0) + 0.03 * k)  # noqa: E731
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 1, _cold_first_step(cost, 0.2), accept_prob=0.9, steps=300)
+    assert chosen[:2] == [K, K]
+    assert ctl.cost[0][K] == pytest.approx(cost(K))  # the cold step was replaced
+    assert _mode(chosen) >= K - 1, chosen
+
+
+def test_a_step_after_a_cold_one_that_is_not_cheaper_keeps_both():
+    ctl = AdaptiveSpeculation(K)
+    ctl.observe_step(1, 3, 0.030)
+    ctl.observe_step(1, 3, 0.040)  # a stall after a normal step: not a cold start
+    assert list(ctl.samples[0][3]) == [0.030, 0.040]
+
+
+def test_deferred_context_writes_are_not_step_costs():
+    """A probe after a run of plain steps flushes their deferred draft context; steady
+    drafting never does, so the flush is left out of the step's cost."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_dflash2.adaptive import AdaptiveDrafting
+
+    drafting = AdaptiveDrafting(K)
+    now = [0.0]
+    drafting.clock = lambda: now[0]
+    greedy = SimpleNamespace(all_greedy=True, generators={})
+    k = 0
+    for step in range(30):
+        flush = 0.02 if step % 5 == 0 else 0.0
+        now[0] += 0.03 + 0.002 * k + flush
+        if k:
+            drafting.note_verified([k], torch.tensor([k + 1]))
+        cad = SimpleNamespace(batch_size=lambda: 1, max_query_len=1 + k)
+        k = drafting.choose(cad, greedy, K, write_seconds=flush)
+    for ks, seconds in drafting.controller.samples[0].items():
+        assert all(s == pytest.approx(0.03 + 0.002 * ks) for s in seconds), (ks, seconds)
+
+
+def test_probes_from_plain_decoding_try_the_best_drafting_k():
+    # Batch 1 served: drafting has a large fixed cost (k = 1: 1.5 plain steps), so a probe
+    # of one draft never pays and only refreshes the first position's acceptance.
+    cost = lambda k: 0.025 * (1 + 0.5 * (k > 0) + 0.02 * k)  # noqa: E731
+    ctl = AdaptiveSpeculation(K)
+    assert _mode(_feed(ctl, 1, cost, accept_prob=0.9, steps=200)) == K
+    quiet = _feed(ctl, 1, cost, accept_prob=0.0, steps=400)
+    assert _mode(quiet) == 0
+    probes = [k for k in quiet[200:] if k]
+    assert probes and min(probes) > 1, probes
+    back = _feed(ctl, 1, cost, accept_prob=0.9, steps=300)
+    assert _mode(back) == K
