@@ -6,8 +6,8 @@ controller measures both while serving (step wall time between two proposals,
 acceptance from the rejection sampler's counts) and drafts the k that maximizes
 E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at the
 current batch size it is switched off. It tries a neighbour of its choice now and then
-(from plain decoding: the drafting k it rates best) so that stale estimates get
-refreshed: ``explore_every`` steps after the choice at a batch size last changed, then at
+(from plain decoding: the drafting k it rates best, where one may pay) so that stale
+estimates get refreshed: ``explore_every`` steps after the choice at a batch size last changed, then at
 doubling gaps up to ``explore_max`` steps while the choice holds, and up to
 ``hopeless_gap_factor`` times that where even full acceptance could not pay
 (``_hopeless``; there the first gap is ``explore_max``).
@@ -248,10 +248,13 @@ class AdaptiveSpeculation:
             cost = self.estimated_cost(batch_size, k, costs)
             rates.append(0.0 if cost is None else self.expected_tokens(k, accept) / cost)
         best = max(range(reach + 1), key=rates.__getitem__)
-        # The best drafting k, what a probe from plain decoding tries: with a large fixed
-        # cost of drafting (served, batch 1: k = 1 cost 1.5 plain steps, K = 7 1.6), a
-        # probe of one draft only ever says "no", and refreshes one position's acceptance.
+        # What a probe from plain decoding tries: the best drafting k where one looks
+        # like it may pay (with a large fixed cost of drafting, served at batch 1: k = 1
+        # cost 1.5 plain steps and K = 7 1.6, a probe of one draft only ever says "no",
+        # and refreshes one position's acceptance); where none does, the cheapest probe.
         best_drafting = max(range(1, reach + 1), key=rates.__getitem__) if reach else 1
+        if rates[best_drafting] <= rates[0]:
+            best_drafting = 1
         if best and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1

@@ -396,13 +396,26 @@ def test_deferred_context_writes_are_not_step_costs():
 
 def test_probes_from_plain_decoding_try_the_best_drafting_k():
     # Batch 1 served: drafting has a large fixed cost (k = 1: 1.5 plain steps), so a probe
-    # of one draft never pays and only refreshes the first position's acceptance.
+    # of one draft never pays and only refreshes the first position's acceptance. At
+    # acceptance 0.4 long drafts come within min_gain of plain decoding, one draft not.
     cost = lambda k: 0.025 * (1 + 0.5 * (k > 0) + 0.02 * k)  # noqa: E731
     ctl = AdaptiveSpeculation(K)
     assert _mode(_feed(ctl, 1, cost, accept_prob=0.9, steps=200)) == K
-    quiet = _feed(ctl, 1, cost, accept_prob=0.0, steps=400)
-    assert _mode(quiet) == 0
-    probes = [k for k in quiet[200:] if k]
+    marginal = _feed(ctl, 1, cost, accept_prob=0.4, steps=600)
+    assert _mode(marginal) == 0
+    probes = [k for k in marginal[300:] if k]
     assert probes and min(probes) > 1, probes
     back = _feed(ctl, 1, cost, accept_prob=0.9, steps=300)
     assert _mode(back) == K
+
+
+def test_where_no_drafting_k_may_pay_probes_are_the_cheapest():
+    # Batch 16: drafting at all costs 0.8 plain steps, each draft 0.05 more, acceptance
+    # 0.3: no k pays, and two or three drafts rate best among the losing ones. A probe
+    # there would cost more than one of a single draft and find nothing more.
+    cost = lambda k: 0.03 * (1 + 0.8 * (k > 0) + 0.05 * k)  # noqa: E731
+    ctl = AdaptiveSpeculation(K)
+    chosen = _feed(ctl, 16, cost, accept_prob=0.3, steps=600)
+    assert _mode(chosen) == 0
+    probes = [k for k in chosen[100:] if k]
+    assert probes and set(probes) == {1}, probes
