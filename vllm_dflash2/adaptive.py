@@ -7,9 +7,9 @@ acceptance from the rejection sampler's counts) and drafts the k that maximizes
 E(k) / T(b, k); k = 0 is plain decoding, so where speculation does not pay at the
 current batch size it is switched off. It tries a neighbour of its choice now and then
 (from plain decoding: the drafting k it rates best, where one may pay) so that stale
-estimates get refreshed: ``explore_every`` steps after the choice at a batch size last changed, then at
-doubling gaps up to ``explore_max`` steps while the choice holds, and up to
-``hopeless_gap_factor`` times that where even full acceptance could not pay
+estimates get refreshed: ``explore_every`` steps after the choice at a batch size last
+changed, then at doubling gaps up to ``explore_max`` steps while the choice holds, and up
+to ``hopeless_gap_factor`` times that where even full acceptance could not pay
 (``_hopeless``; there the first gap is ``explore_max``).
 The gaps grow because a probe at a large batch size costs up to twice a step
 (verification is compute-bound there): probing at a fixed rate is a fixed loss.
