@@ -248,13 +248,6 @@ class AdaptiveSpeculation:
             cost = self.estimated_cost(batch_size, k, costs)
             rates.append(0.0 if cost is None else self.expected_tokens(k, accept) / cost)
         best = max(range(reach + 1), key=rates.__getitem__)
-        # What a probe from plain decoding tries: the best drafting k where one looks
-        # like it may pay (with a large fixed cost of drafting, served at batch 1: k = 1
-        # cost 1.5 plain steps and K = 7 1.6, a probe of one draft only ever says "no",
-        # and refreshes one position's acceptance); where none does, the cheapest probe.
-        best_drafting = max(range(1, reach + 1), key=rates.__getitem__) if reach else 1
-        if rates[best_drafting] <= rates[0]:
-            best_drafting = 1
         if best and rates[best] < (1 + self.min_gain) * rates[0]:
             best = 0  # a gain within the noise is not worth the risk of a loss
         step = self.steps[b] = self.steps.get(b, 0) + 1
@@ -285,7 +278,13 @@ class AdaptiveSpeculation:
             measured[0].clear()  # re-measured from scratch by the next plain steps
             return 0
         if best == 0:
-            return best_drafting
+            # From plain decoding, probe the best drafting k where one looks like it may
+            # pay (with a large fixed cost of drafting, served at batch 1: k = 1 cost 1.5
+            # plain steps and K = 7 1.6, a probe of one draft only ever says "no", and
+            # refreshes one position's acceptance); where none does, the cheapest probe.
+            # reach >= 1 here: plain decoding's cost is measured.
+            best_drafting = max(range(1, reach + 1), key=rates.__getitem__)
+            return best_drafting if rates[best_drafting] > rates[0] else 1
         return best + 1 if direction == "up" and best < top else best - 1
 
     def snapshot(self) -> dict:
