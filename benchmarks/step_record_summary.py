@@ -1,7 +1,7 @@
 """What adaptive speculation's drafting steps cost and gained, per measurement.
 
-Reads the per-step record that ``bench_e2e.py --step-record`` writes (``OUT.steps.jsonl``)
-and, for every measurement of an adaptive engine, sets its drafting steps against plain
+Reads the per-step record that ``bench_e2e.py --step-record`` writes (``OUT.steps.jsonl``),
+or the file a served engine writes under ``VLLM_DFLASH2_STEP_LOG=FILE``, and, for every measurement of an adaptive engine, sets its drafting steps against plain
 decoding at the same batch size (the median of that measurement's measured k = 0 steps):
 
   extra_s   wall time of the measured drafting steps beyond that plain cost
@@ -50,13 +50,31 @@ def summarize(record: dict) -> dict:
     }
 
 
+def from_step_log(lines: list[dict]) -> list[dict]:
+    """``VLLM_DFLASH2_STEP_LOG`` lines as records of the shape above: one for greedy
+    steps (temperature 0), one for sampled steps (shown as 1), the estimates dropped."""
+    steps = [x for x in lines if "seconds" in x]
+    fields = sorted(steps[0]) if steps else []
+    records = []
+    for temperature, greedy in ((0.0, True), (1.0, False)):
+        mine = [[s[f] for f in fields] for s in steps if s["greedy"] == greedy]
+        if mine:
+            records.append({"method": "step_log", "temperature": temperature,
+                            "concurrency": 0, "round": 0, "step_fields": fields,
+                            "steps": mine})
+    return records
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("steps_jsonl")
     parser.add_argument("--out", help="also write the rows as JSON")
     args = parser.parse_args()
     with open(args.steps_jsonl) as f:
-        rows = [summarize(json.loads(line)) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    if lines and "seconds" in lines[0]:  # a served engine's VLLM_DFLASH2_STEP_LOG
+        lines = from_step_log(lines)
+    rows = [summarize(record) for record in lines]
     print("method            T    c  r  steps  secs  drafting(s)   extra  saved    net  ks")
     for r in rows:
         print(f"{r['method']:17s} {r['temperature']:.0f} {r['concurrency']:4d} {r['round']:2d} "

@@ -47,6 +47,7 @@ on GPUs: reading the accepted counts each step would add a device sync there).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -306,19 +307,24 @@ class AdaptiveDrafting:
     the wall time between two proposals on ``clock``; a benchmark that steps several
     engines of one process in turn swaps in one that leaves out the other engines' steps
     (``tools.bench.load.ExcludingClock``). ``step_record`` keeps what the controller saw
-    (``VLLM_DFLASH2_STEP_RECORD``), for benchmarks.
+    (``VLLM_DFLASH2_STEP_RECORD``), for benchmarks; ``step_log`` writes it to a file
+    (``VLLM_DFLASH2_STEP_LOG``), for users.
 
     ``agree`` makes the k of every tensor-parallel rank the same: each rank times its own
     steps, so their controllers can choose differently, and ranks that draft different k
     run collectives of different shapes. The proposer passes a broadcast of rank 0's k."""
 
-    def __init__(self, max_k: int, agree: Callable[[int], int] | None = None):
+    def __init__(self, max_k: int, agree: Callable[[int], int] | None = None,
+                 rank: int = 0):
         self.controllers = {greedy: AdaptiveSpeculation(max_k) for greedy in (True, False)}
         self.controller = self.controllers[True]  # the one that chose the step in flight
         self.clock = time.perf_counter
         self.agree = agree
         keep = envs.get("VLLM_DFLASH2_STEP_RECORD")
         self.step_record: deque | None = deque(maxlen=keep) if keep else None
+        path = envs.get("VLLM_DFLASH2_STEP_LOG")
+        self.step_log = None if path is None else StepLog(
+            path if rank == 0 else path.with_name(f"{path.name}.rank{rank}"))
         self._k_prev = 0
         self._t_prev: float | None = None
         self._verified: tuple[list[int], object] | None = None
@@ -393,11 +399,35 @@ class AdaptiveDrafting:
         if measured:
             self.controller.observe_step(cad.batch_size(), k_prev,
                                          max(1e-6, now - t_prev - written))
-        if self.step_record is not None and t_prev is not None:
-            self.step_record.append({
+        if t_prev is not None and (self.step_record is not None
+                                   or self.step_log is not None):
+            step = {
                 "t": now, "seconds": now - t_prev, "context_write_s": written,
                 "batch": cad.batch_size(), "k": k_prev,
                 "max_query_len": cad.max_query_len, "measured": measured,
                 "greedy": self.controller is self.controllers[True],
                 "drafts": drafted, "accepted": sum(accepted), "mixed": mixed,
-                "pending_rows": pending_rows})
+                "pending_rows": pending_rows}
+            if self.step_record is not None:
+                self.step_record.append(step)
+            if self.step_log is not None:
+                self.step_log.write(step, self.controllers)
+
+
+class StepLog:
+    """``VLLM_DFLASH2_STEP_LOG``: one JSON line per step, and every ``every`` steps one
+    line with both controllers' estimates. Written as it goes (line-buffered), so a
+    server that is killed leaves a readable file; one ``json.dumps`` per step."""
+
+    def __init__(self, path, every: int = 256):
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (kept open while serving)
+        self.every = every
+        self.steps = 0
+
+    def write(self, step: dict, controllers: dict) -> None:
+        self.file.write(json.dumps(step) + "\n")
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.file.write(json.dumps({"t": step["t"], "controllers": {
+                "greedy" if greedy else "sampled": c.snapshot()
+                for greedy, c in controllers.items()}}) + "\n")

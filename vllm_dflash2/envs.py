@@ -61,6 +61,13 @@ def _path(name: str, raw: str) -> Path:
     return Path(raw).expanduser()
 
 
+def _log_file(name: str, raw: str) -> Path:
+    path = Path(raw).expanduser()
+    if not path.parent.is_dir() or path.is_dir():
+        raise ValueError(f"{name}={raw!r}: expected a file path in an existing folder")
+    return path
+
+
 @dataclass(frozen=True)
 class Var:
     name: str
@@ -82,6 +89,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("VLLM_DFLASH2_STEP_RECORD", "int >= 0", "0",
         "Keep the last N adaptive steps (time, batch, k, acceptance) for benchmarks "
         "(0: no record).", _count),
+    Var("VLLM_DFLASH2_STEP_LOG", "path", "unset",
+        "Append every adaptive step (time, batch, k, drafts accepted) and, every 256 "
+        "steps, the controller's estimates (acceptance per position, step cost per batch "
+        "size and k) to this JSON-lines file, to see why adaptive chose what it did, "
+        "e.g. under `vllm serve` (tensor-parallel rank r > 0 writes PATH.rankr).",
+        _log_file),
     Var("VLLM_DFLASH2_CPU_GEMM", "auto, 1 or 0", "auto",
         "Float32 linear layers of DFlash engines on the packed AVX2 kernel: auto = AVX2 "
         "CPUs without AVX-512, 1 = any CPU with AVX2 + FMA, 0 = vLLM's own GEMM.",
@@ -114,6 +127,7 @@ _DEFAULTS: dict[str, object] = {
     "VLLM_DFLASH2_ADAPTIVE": None,
     "VLLM_DFLASH2_DEFER_CONTEXT": True,
     "VLLM_DFLASH2_STEP_RECORD": 0,
+    "VLLM_DFLASH2_STEP_LOG": None,
     "VLLM_DFLASH2_CPU_GEMM": "auto",
     "VLLM_DFLASH2_ALL_ENGINES": False,
     "VLLM_DFLASH2_OWN_MODELS": False,

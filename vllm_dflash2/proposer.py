@@ -114,7 +114,9 @@ class DFlash2Proposer(DFlashProposer):
         self._runner = runner
         self.adaptive: AdaptiveDrafting | None = None
         if envs.get("VLLM_DFLASH2_ADAPTIVE", torch.device(device).type == "cpu"):
-            self.adaptive = AdaptiveDrafting(self.num_speculative_tokens, _rank0_k())
+            self.adaptive = AdaptiveDrafting(
+                self.num_speculative_tokens, _rank0_k(),
+                torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         # k = 0 steps after a k = 0 step stash their context rows (needs the runner's
         # batch: which request owns which rows).
         self.deferred: DeferredContext | None = None

@@ -419,3 +419,55 @@ def test_where_no_drafting_k_may_pay_probes_are_the_cheapest():
     assert _mode(chosen) == 0
     probes = [k for k in chosen[100:] if k]
     assert probes and set(probes) == {1}, probes
+
+
+def test_step_log_writes_every_step_and_the_controllers_estimates(monkeypatch, tmp_path):
+    """``VLLM_DFLASH2_STEP_LOG``: one JSON line per step as it goes (a served engine's
+    record, readable while it runs), and the controllers' estimates every 256 steps."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_dflash2.adaptive import AdaptiveDrafting
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("VLLM_DFLASH2_STEP_LOG", str(log))
+    drafting = AdaptiveDrafting(K)
+    rank1 = AdaptiveDrafting(K, rank=1)
+    now = [0.0]
+    drafting.clock = lambda: now[0]
+    greedy = SimpleNamespace(all_greedy=True, generators={})
+    k, chosen = 0, []
+    for _ in range(300):
+        now[0] += 0.03 + 0.002 * k
+        if k:
+            drafting.note_verified([k, k], torch.tensor([k + 1, 1]))
+        k = drafting.choose(SimpleNamespace(batch_size=lambda: 2, max_query_len=1 + k),
+                            greedy, K)
+        chosen.append(k)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [x for x in lines if "controllers" not in x]
+    estimates = [x for x in lines if "controllers" in x]
+    assert len(steps) == 299  # the first call has no step before it
+    assert [s["k"] for s in steps] == chosen[:-1]
+    assert all(s["batch"] == 2 for s in steps)
+    drafted = [s for s in steps if s["k"]]
+    assert drafted and all(s["drafts"] == 2 * s["k"] and s["accepted"] == s["k"]
+                           for s in drafted)
+    assert len(estimates) == 1
+    greedy_est = estimates[0]["controllers"]["greedy"]
+    assert greedy_est["accept"][0] > 0.4  # one of two requests accepted everything
+    assert set(greedy_est["cost_ms"]["1"]) >= {"0", str(K)}  # bucket of batch 2
+    assert (tmp_path / "steps.jsonl.rank1").exists() and rank1.step_log is not None
+
+
+def test_step_log_path_is_checked(monkeypatch, tmp_path):
+    from vllm_dflash2 import envs
+
+    for bad in (str(tmp_path / "no-such-folder" / "steps.jsonl"), str(tmp_path)):
+        monkeypatch.setenv("VLLM_DFLASH2_STEP_LOG", bad)
+        with pytest.raises(ValueError, match="VLLM_DFLASH2_STEP_LOG=.*existing folder"):
+            envs.get("VLLM_DFLASH2_STEP_LOG")
+    monkeypatch.delenv("VLLM_DFLASH2_STEP_LOG")
+    assert envs.get("VLLM_DFLASH2_STEP_LOG") is None
