@@ -1,4 +1,4 @@
-"""The target's float32 GEMMs on the CPU: our packed kernel vs vLLM's oneDNN path vs torch.
+"""The target's GEMMs on the CPU: our packed kernel vs vLLM's oneDNN path vs torch.
 
 One "pass" is every linear layer of one target forward, with distinct weights so they
 stream from memory as in a real step: per decoder layer qkv, o, gate_up and down, plus
@@ -7,6 +7,10 @@ heads of 64, vocab 49152). Rows M = tokens in the step: 1 is plain decoding at b
 8 a K = 7 verification at batch 1, 64 one at batch 8.
 
     python benchmarks/bench_cpu_gemm.py [--rows 1 2 4 8 16 32 64 128] [--reps 15]
+                                        [--dtype float32|bfloat16]
+
+float32 runs the AVX2 kernel (csrc/cpu/packed_linear.cpp), bfloat16 the AVX512-BF16 one
+(packed_linear_bf16.cpp).
 
 Backends are timed in turn within each repetition (the order rotated every repetition)
 and reported as medians; ``ratio`` is packed / oneDNN time, and ``rows_cost`` each
@@ -38,6 +42,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", default="benchmarks/results/cpu_gemm.json")
     args = p.parse_args()
     if args.threads:
@@ -46,12 +51,17 @@ def main() -> None:
     from vllm import _custom_ops as vllm_ops
 
     from vllm_dflash2 import ops
+    from vllm_dflash2.tools.machine import cpu_flags
 
-    if not ops.NATIVE_PACKED_LINEAR:
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.float32 and not ops.NATIVE_PACKED_LINEAR:
         raise SystemExit("packed_linear needs the built extension on a CPU with AVX2 + FMA")
+    if dtype == torch.bfloat16 and not ops.NATIVE_PACKED_LINEAR_BF16:
+        raise SystemExit("bfloat16 packed_linear needs the built extension on a CPU with "
+                         "AVX512-BF16")
     shapes = layer_shapes(args.layers, 576, 1536, 9, 3, 64, 49152)
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * k ** -0.5 for n, k in shapes]
+    weights = [(torch.randn(n, k, generator=g) * k ** -0.5).to(dtype) for n, k in shapes]
     packed = [ops.pack_linear_weight(w) for w in weights]
     backends = {
         "packed": lambda x, i: ops.packed_linear(x, packed[i]),
@@ -71,11 +81,12 @@ def main() -> None:
 
     results = []
     for m in args.rows:
-        xs = [torch.randn(m, k, generator=g) for _, k in shapes]
+        xs = [torch.randn(m, k, generator=g).to(dtype) for _, k in shapes]
+        tol = 1e-3 if dtype == torch.float32 else 3e-2  # bf16: one rounding of ~|y| <= 4
         for name in names:  # agree before timing: a fast wrong kernel is no result
             want = torch.nn.functional.linear(xs[-1].double(), weights[-1].double())
             got = backends[name](xs[-1], len(xs) - 1).double()
-            assert (got - want).abs().max().item() < 1e-3, name
+            assert (got - want).abs().max().item() < tol, name
             one_pass(name, xs)  # warm-up
         times = {name: [] for name in names}
         for r in range(args.reps):
@@ -97,7 +108,9 @@ def main() -> None:
         "config": vars(args) | {"out": Path(args.out).name, "threads": torch.get_num_threads(),
                                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                                 "machine": platform.machine(),
-                                "weights_mb": sum(w.numel() for w in weights) * 4 / 2**20},
+                                "cpu_flags": cpu_flags(), "dtype": args.dtype,
+                                "weights_mb": sum(w.numel() * w.element_size()
+                                                  for w in weights) / 2**20},
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -202,7 +202,7 @@ def main():
         parser.error("--k0-direct compares against the k = 0 column: add 0 to -k")
 
     from vllm_dflash2 import assets
-    from vllm_dflash2.tools.machine import benchmark_env, default_dtype
+    from vllm_dflash2.tools.machine import benchmark_env, cpu_flags, default_dtype
 
     args.dtype = args.dtype or default_dtype()
     target = args.target or str(assets.ensure_target())
@@ -245,8 +245,8 @@ def main():
     result = {
         "config": vars(args) | {"target": Path(target).name, "drafter": Path(drafter).name,
                                 "out": Path(args.out).name,  # no machine paths in results
-                                "threads": os.cpu_count(), "env": benchmark_env(),
-                                "column_env": column_env},
+                                "threads": os.cpu_count(), "cpu_flags": cpu_flags(),
+                                "env": benchmark_env(), "column_env": column_env},
         "no_spec": base | {"split_ms": split(base)},
         "dflash2": {str(k): r | {"split_ms": split(r),
                                  "step_cost_ratio": ratio(k),

@@ -18,7 +18,8 @@ TORCH_LIBRARY(vllm_dflash2, m) {
       "select_candidates(Tensor candidate_ids, Tensor unary, Tensor hidden, Tensor anchor_ids, "
       "Tensor predecessor_codebook, Tensor successor_codebook, Tensor temperature, "
       "Tensor seeds, Tensor? top_k=None, Tensor? top_p=None) -> (Tensor, Tensor)");
-  // CPU only (cpu/packed_linear.cpp): packed [N / 8, K, 8] float32
+  // CPU only (cpu/packed_linear*.cpp): packed [N / 8, K, 8] float32, or
+  // [N / 16, K / 2, 32] bfloat16 (VNNI pairs of K)
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   // y [..., N] = x [..., K] @ weight.T + bias, weight given packed
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");

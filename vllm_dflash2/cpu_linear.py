@@ -12,7 +12,8 @@ packed copy, never two.
 ``patches/cpu_gemm.py`` routes vLLM's ``dispatch_cpu_unquantized_gemm`` through
 ``dispatch`` below. ``VLLM_DFLASH2_CPU_GEMM``: ``auto`` (default) takes float32
 layers on AVX2 CPUs without AVX-512 (where oneDNN has its fast kernels, and where
-this kernel is not measured); ``1`` takes them on any CPU with AVX2 + FMA; ``0``
+this kernel is not measured); ``1`` takes them on any CPU with AVX2 + FMA, and
+bfloat16 layers on CPUs with AVX512-BF16 (csrc/cpu/packed_linear_bf16.cpp); ``0``
 leaves vLLM's choice alone. It applies to engines that run a DFlash drafter (target and
 drafter), and to every engine with ``VLLM_DFLASH2_ALL_ENGINES=1`` (patches/cpu_gemm.py).
 """
@@ -32,29 +33,40 @@ def mode_from_env() -> str:
     return envs.get(ENV)
 
 
-def enabled() -> bool:
-    """Whether float32 CPU linears go to ``packed_linear`` in this process."""
-    mode = mode_from_env()
-    if mode == "0":
-        return False
+def enabled(dtype=None) -> bool:
+    """Whether CPU linears of ``dtype`` (default float32) go to ``packed_linear`` in this
+    process. bfloat16 only where asked for (``1``): on 2 AVX-512 cores its kernel takes
+    0.92x oneDNN's time at one row and the same from 4 rows on (8 rows: 1.37x its own
+    one-row time, the multiply-adds catching up with the stream), so it speeds up plain
+    decoding a little and speculation not at all (``docs/performance.md``)."""
     import torch
 
     from . import ops
 
+    mode = mode_from_env()
+    if mode == "0":
+        return False
+    if dtype == torch.bfloat16:
+        return mode == "1" and ops.NATIVE_PACKED_LINEAR_BF16
     if not ops.NATIVE_PACKED_LINEAR:
         return False
     return mode == "1" or torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def eligible(weight, bias=None) -> bool:
-    """A plain float32 [N, K] CPU weight with N a multiple of 8 (and a float32 bias, if any)."""
+    """A plain [N, K] CPU weight the kernel takes: float32 with N a multiple of 8 (and a
+    float32 bias, if any), or bfloat16 with N a multiple of 16 and K even (any float bias)."""
     import torch
 
     if not isinstance(weight, torch.Tensor) or weight.is_meta or weight.device.type != "cpu":
         return False
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.numel() == 0:
+    if weight.dim() != 2 or weight.numel() == 0:
         return False
-    if weight.shape[0] % 8:
+    if weight.dtype == torch.bfloat16:
+        if weight.shape[0] % 16 or weight.shape[1] % 2:
+            return False
+        return bias is None or (isinstance(bias, torch.Tensor) and bias.is_floating_point())
+    if weight.dtype != torch.float32 or weight.shape[0] % 8:
         return False
     return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == torch.float32)
 
@@ -79,17 +91,19 @@ def packed_once(weight):
 def dispatch(layer, remove_weight: bool, original: Callable) -> None:
     """vLLM's ``dispatch_cpu_unquantized_gemm`` contract: set ``layer.cpu_linear(x, weight,
     bias)`` and, when ``remove_weight``, drop ``layer.weight``'s storage."""
-    if not (enabled() and eligible(getattr(layer, "weight", None), getattr(layer, "bias", None))):
+    weight = getattr(layer, "weight", None)
+    if not (eligible(weight, getattr(layer, "bias", None)) and enabled(weight.dtype)):
         original(layer, remove_weight)
         return
     import torch
 
     packed = packed_once(layer.weight)
     packed_linear = torch.ops.vllm_dflash2.packed_linear.default
+    dtype = layer.weight.dtype
 
     def cpu_linear(x, weight, bias, _packed=packed):
-        if x.dtype != torch.float32:  # a float32 layer inside a lower-precision model
-            return packed_linear(x.float(), _packed, bias).to(x.dtype)
+        if x.dtype != dtype:  # e.g. a float32 layer inside a lower-precision model
+            return packed_linear(x.to(dtype), _packed, bias).to(x.dtype)
         return packed_linear(x, _packed, bias)
 
     layer.cpu_linear = cpu_linear

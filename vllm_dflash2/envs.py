@@ -96,8 +96,9 @@ VARIABLES: tuple[Var, ...] = (
         "e.g. under `vllm serve` (tensor-parallel rank r > 0 writes PATH.rankr).",
         _log_file),
     Var("VLLM_DFLASH2_CPU_GEMM", "auto, 1 or 0", "auto",
-        "Float32 linear layers of DFlash engines on the packed AVX2 kernel: auto = AVX2 "
-        "CPUs without AVX-512, 1 = any CPU with AVX2 + FMA, 0 = vLLM's own GEMM.",
+        "Linear layers of DFlash engines on our packed kernels: auto = float32 on AVX2 "
+        "CPUs without AVX-512, 1 = float32 on any CPU with AVX2 + FMA and bfloat16 on "
+        "CPUs with AVX512-BF16, 0 = vLLM's own GEMM.",
         _gemm_mode),
     Var("VLLM_DFLASH2_ALL_ENGINES", "bool", "0",
         "1: the engine-wide patches (packed CPU GEMM, zero-draft sampling shortcut) also "

@@ -99,7 +99,7 @@ def _cpu_head_gemm(weight: torch.Tensor):
         return None
     from . import cpu_linear
 
-    if cpu_linear.enabled() and cpu_linear.eligible(weight):
+    if cpu_linear.eligible(weight) and cpu_linear.enabled(weight.dtype):
         packed = cpu_linear.packed_once(weight)
         packed_linear = torch.ops.vllm_dflash2.packed_linear.default
         return lambda x: packed_linear(x, packed)

@@ -1,4 +1,5 @@
-// float32 linear layer on AVX2 + FMA over a weight packed once at load time.
+// float32 linear layer on AVX2 + FMA over a weight packed once at load time
+// (bfloat16 weights: packed_linear_bf16.cpp, on AVX512-BF16).
 //
 // Why: vLLM's CPU linear (oneDNN, prepacked) takes 1.29x this kernel's time at
 // one row over the target's weights, and the 8 rows of a K = 7 verification cost
@@ -13,6 +14,8 @@
 // unpacked weight (vllm_dflash2/ops/reference.py::packed_linear_ref).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "packed_linear_bf16.h"
 #include <torch/library.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -108,8 +111,10 @@ Micro pick(int64_t, int64_t) { return nullptr; }
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [N, K], got ",
               weight.sizes());
+  if (weight.scalar_type() == at::kBFloat16) return pack_linear_weight_bf16(weight);
   TORCH_CHECK(weight.scalar_type() == at::kFloat,
-              "pack_linear_weight: weight must be float32, got ", weight.scalar_type());
+              "pack_linear_weight: weight must be float32 or bfloat16, got ",
+              weight.scalar_type());
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % kCols == 0, "pack_linear_weight: weight.size(0)=", n,
               " must be a multiple of ", kCols);
@@ -118,6 +123,7 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
 
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias) {
+  if (packed.scalar_type() == at::kBFloat16) return packed_linear_bf16(x, packed, bias);
   TORCH_CHECK(cpu_has_avx2_fma(), "packed_linear: needs an x86-64 CPU with AVX2 and FMA");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,

@@ -1,5 +1,6 @@
-"""The packed float32 CPU GEMM (csrc/cpu/packed_linear.cpp) against its reference twin,
-and its routing into vLLM's CPU linear layers (cpu_linear.py, patches/cpu_gemm.py)."""
+"""The packed CPU GEMMs (csrc/cpu/packed_linear.cpp: float32 on AVX2,
+packed_linear_bf16.cpp: bfloat16 on AVX512-BF16) against their reference twins, and their
+routing into vLLM's CPU linear layers (cpu_linear.py, patches/cpu_gemm.py)."""
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ from vllm_dflash2.ops import reference as ref
 native = pytest.mark.skipif(
     not ops.NATIVE_PACKED_LINEAR, reason="needs the built extension on a CPU with AVX2 + FMA"
 )
+native_bf16 = pytest.mark.skipif(
+    not ops.NATIVE_PACKED_LINEAR_BF16,
+    reason="needs the built extension on a CPU with AVX512-BF16")
 _op = torch.ops.vllm_dflash2
 
 
@@ -30,6 +34,76 @@ def test_reference_pack_round_trips():
     assert torch.equal(ref.unpack_linear_weight_ref(packed), w)
     with pytest.raises(ValueError, match=r"weight.size\(0\)=12 must be a multiple of 8"):
         ref.pack_linear_weight_ref(torch.randn(12, 5))
+
+
+def test_reference_bf16_pack_round_trips():
+    w = torch.randn(32, 6).bfloat16()
+    packed = ref.pack_linear_weight_ref(w)
+    assert packed.shape == (2, 3, 32) and packed.dtype == torch.bfloat16
+    # block 1, pair 2: columns 16..31, each as (w[c, 4], w[c, 5])
+    assert torch.equal(packed[1, 2], w[16:32, 4:6].reshape(32))
+    assert torch.equal(ref.unpack_linear_weight_ref(packed), w)
+    for bad in ((24, 6), (32, 5)):
+        with pytest.raises(ValueError, match="bfloat16 weight.size"):
+            ref.pack_linear_weight_ref(torch.randn(*bad).bfloat16())
+
+
+def _close_bf16(y, x, w, b):
+    """Float32 sums rounded once to bf16: within one bf16 rounding of the float64 result
+    (plus the float32 sum's own error, far below it)."""
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.dtype == torch.bfloat16 and y.shape == want.shape
+    scale = (x.double().abs() @ w.double().abs().T).clamp_min(1e-3)
+    if b is not None:
+        scale = scale + b.double().abs()
+    err = ((y.double() - want).abs() / scale).max().item() if y.numel() else 0.0
+    assert err < 2 ** -8, err
+
+
+@native_bf16
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 7, 8, 9, 16, 33])
+@pytest.mark.parametrize("n,k", [(16, 2), (32, 14), (48, 64), (80, 514), (960, 576), (176, 1100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_bf16_matches_reference(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    packed = _op.pack_linear_weight(w)
+    assert torch.equal(packed, ref.pack_linear_weight_ref(w))
+    y = _op.packed_linear(x, packed, b)
+    _close_bf16(y, x, w, b)
+    _close_bf16(ref.packed_linear_ref(x, packed, b), x, w, b)
+    # Each row is summed in the same order whatever the batch: a verification row
+    # equals the same row decoded alone.
+    for i in range(m):
+        assert torch.equal(_op.packed_linear(x[i:i + 1], packed, b), y[i:i + 1]), i
+
+
+@native_bf16
+def test_packed_linear_bf16_refuses_bad_input_by_name():
+    packed = ops.pack_linear_weight(torch.randn(16, 8).bfloat16())
+    with pytest.raises(RuntimeError, match=r"x.size\(-1\) must be 8"):
+        _op.packed_linear(torch.randn(2, 10).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="x must be bfloat16 for a bfloat16 weight"):
+        _op.packed_linear(torch.randn(2, 8), packed)
+    with pytest.raises(RuntimeError, match="bias must have 16 values"):
+        _op.packed_linear(torch.randn(2, 8).bfloat16(), packed, torch.randn(8))
+    with pytest.raises(RuntimeError, match="must be a multiple of 16"):
+        _op.pack_linear_weight(torch.randn(24, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="must be even"):
+        _op.pack_linear_weight(torch.randn(16, 7).bfloat16())
+
+
+@native_bf16
+def test_vllm_dispatch_routes_bf16_layers_to_the_packed_kernel_when_asked(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "1")
+    layer = _Layer(64, 48, dtype=torch.bfloat16)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    utils = _dispatch(layer, remove_weight=True)
+    assert layer.cpu_linear.__module__ == "vllm_dflash2.cpu_linear"
+    x = torch.randn(5, 48).bfloat16()
+    _close_bf16(utils.cpu_unquantized_gemm(layer, x, layer.weight, layer.bias), x, w, b)
 
 
 @native
@@ -134,11 +208,12 @@ def test_vllm_dispatch_routes_float32_layers_to_the_packed_kernel(monkeypatch, r
     assert y16.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("case", ["off", "bf16", "ragged"])
+@pytest.mark.parametrize("case", ["off", "fp16", "ragged", "bf16_ragged", "bf16_auto"])
 def test_vllm_dispatch_leaves_other_layers_to_vllm(monkeypatch, case):
-    monkeypatch.setenv(cpu_linear.ENV, "0" if case == "off" else "1")
-    layer = {"off": _Layer(64, 48), "bf16": _Layer(64, 48, dtype=torch.bfloat16),
-             "ragged": _Layer(60, 48)}[case]
+    monkeypatch.setenv(cpu_linear.ENV, {"off": "0", "bf16_auto": "auto"}.get(case, "1"))
+    layer = {"off": _Layer(64, 48), "fp16": _Layer(64, 48, dtype=torch.float16),
+             "ragged": _Layer(60, 48), "bf16_ragged": _Layer(56, 48, dtype=torch.bfloat16),
+             "bf16_auto": _Layer(64, 48, dtype=torch.bfloat16)}[case]
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     utils = _dispatch(layer, remove_weight=False)
     assert getattr(layer.cpu_linear, "__module__", None) != "vllm_dflash2.cpu_linear"

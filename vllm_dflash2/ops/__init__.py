@@ -2,7 +2,8 @@
 
 Public API (same signatures as the ``reference`` twins):
     grouped_conv_prepare, grouped_conv_finish, select_candidates,
-    pack_linear_weight, packed_linear (CPU, float32; the target's GEMM, see cpu_linear.py)
+    pack_linear_weight, packed_linear (CPU, float32 or bfloat16; the target's GEMM, see
+    cpu_linear.py)
 The native extension (``vllm_dflash2._C``) is used for tensors on a device it
 has kernels for; otherwise the pure-PyTorch reference runs, with one warning.
 These run every decode step, so the native path is a direct
@@ -91,20 +92,30 @@ def select_candidates(
     )
 
 
-# Whether packed_linear on CPU tensors runs the native kernel (needs x86-64 AVX2 + FMA).
+# Whether packed_linear on CPU tensors runs the native kernel: float32 needs x86-64
+# AVX2 + FMA, bfloat16 AVX512-BF16.
 NATIVE_PACKED_LINEAR: bool = _native is not None and _native.packed_linear_supported()
+NATIVE_PACKED_LINEAR_BF16: bool = (_native is not None
+                                   and _native.packed_linear_bf16_supported())
+
+
+def _native_packed(t) -> bool:
+    if t.device.type != "cpu":
+        return False
+    return NATIVE_PACKED_LINEAR_BF16 if t.dtype == torch.bfloat16 else NATIVE_PACKED_LINEAR
 
 
 def pack_linear_weight(weight):
-    """See ``reference.pack_linear_weight_ref``: ``[N, K] -> [N / 8, K, 8]``."""
-    if weight.device.type == "cpu" and NATIVE_PACKED_LINEAR:
+    """See ``reference.pack_linear_weight_ref``: float32 ``[N, K] -> [N / 8, K, 8]``,
+    bfloat16 ``[N, K] -> [N / 16, K / 2, 32]``."""
+    if _native_packed(weight):
         return _pack(weight)
     return pack_linear_weight_ref(weight)
 
 
 def packed_linear(x, packed, bias=None):
     """See ``reference.packed_linear_ref``: ``x @ weight.T + bias``."""
-    if x.device.type == "cpu" and NATIVE_PACKED_LINEAR:
+    if _native_packed(packed):
         return _packed_linear(x, packed, bias)
     return packed_linear_ref(x, packed, bias)
 
@@ -112,4 +123,5 @@ def packed_linear(x, packed, bias=None):
 __all__ = [
     "grouped_conv_prepare", "grouped_conv_finish", "select_candidates",
     "pack_linear_weight", "packed_linear", "NATIVE_DEVICES", "NATIVE_PACKED_LINEAR",
+    "NATIVE_PACKED_LINEAR_BF16",
 ]

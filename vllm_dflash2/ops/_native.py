@@ -34,6 +34,15 @@ def packed_linear_supported() -> bool:
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
+def packed_linear_bf16_supported() -> bool:
+    """The bfloat16 packed_linear kernel needs x86-64 with AVX512-BF16 (and -F, -BW)."""
+    import platform
+
+    return (platform.machine() in ("x86_64", "AMD64")
+            and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and torch.cpu._is_avx512_bf16_supported())
+
+
 def _check_conv(x, taps_tensor, block_size, group_size, name):
     torch._check(x.dim() == 2, lambda: f"{name} must be [N, H], got {tuple(x.shape)}")
     torch._check(block_size >= 1, lambda: f"block_size must be >= 1, got {block_size}")
@@ -82,12 +91,19 @@ def _select_fake(
 
 @torch.library.register_fake(f"{_LIB}::pack_linear_weight")
 def _pack_fake(weight):
+    if weight.dtype == torch.bfloat16:
+        torch._check(weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0)
+        return weight.new_empty((weight.shape[0] // 16, weight.shape[1] // 2, 32))
     torch._check(weight.dim() == 2 and weight.shape[0] % 8 == 0)
     return weight.new_empty((weight.shape[0] // 8, weight.shape[1], 8))
 
 
 @torch.library.register_fake(f"{_LIB}::packed_linear")
 def _packed_linear_fake(x, packed, bias=None):
+    if packed.dtype == torch.bfloat16:
+        torch._check(packed.dim() == 3 and packed.shape[2] == 32)
+        torch._check(x.shape[-1] == 2 * packed.shape[1])
+        return x.new_empty((*x.shape[:-1], packed.shape[0] * 16))
     torch._check(packed.dim() == 3 and packed.shape[2] == 8)
     torch._check(x.shape[-1] == packed.shape[1])
     return x.new_empty((*x.shape[:-1], packed.shape[0] * 8))

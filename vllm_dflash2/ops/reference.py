@@ -232,19 +232,33 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (y * weight.float()).to(x.dtype)
 
 
-# Packed linear (the CPU target GEMM): weight [N, K] <-> packed [N / 8, K, 8].
+# Packed linear (the CPU target GEMM): float32 weight [N, K] <-> packed [N / 8, K, 8];
+# bfloat16 weight [N, K] <-> packed [N / 16, K / 2, 32] (pairs of K, as VDPBF16PS reads them).
 PACKED_COLS = 8
+PACKED_COLS_BF16 = 16
 
 
 def pack_linear_weight_ref(weight: torch.Tensor) -> torch.Tensor:
-    """Columns in blocks of 8, K-major inside a block: ``packed[j, k, c] = weight[8 j + c, k]``."""
+    """float32: columns in blocks of 8, K-major inside a block: ``packed[j, k, c] =
+    weight[8 j + c, k]``. bfloat16: blocks of 16 columns, pairs of K inside:
+    ``packed[j, p, 2 c + i] = weight[16 j + c, 2 p + i]``."""
     n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        if n % PACKED_COLS_BF16 or k % 2:
+            raise ValueError(f"a bfloat16 weight.size(0)={n} must be a multiple of "
+                             f"{PACKED_COLS_BF16} and weight.size(1)={k} even")
+        return (weight.reshape(n // PACKED_COLS_BF16, PACKED_COLS_BF16, k // 2, 2)
+                .permute(0, 2, 1, 3).reshape(n // PACKED_COLS_BF16, k // 2, 2 * PACKED_COLS_BF16))
     if n % PACKED_COLS:
         raise ValueError(f"weight.size(0)={n} must be a multiple of {PACKED_COLS}")
     return weight.reshape(n // PACKED_COLS, PACKED_COLS, k).transpose(1, 2).contiguous()
 
 
 def unpack_linear_weight_ref(packed: torch.Tensor) -> torch.Tensor:
+    if packed.dtype == torch.bfloat16:
+        blocks, pairs, _ = packed.shape
+        return (packed.reshape(blocks, pairs, PACKED_COLS_BF16, 2).permute(0, 2, 1, 3)
+                .reshape(blocks * PACKED_COLS_BF16, 2 * pairs))
     blocks, k, cols = packed.shape
     return packed.transpose(1, 2).reshape(blocks * cols, k)
 
@@ -252,5 +266,10 @@ def unpack_linear_weight_ref(packed: torch.Tensor) -> torch.Tensor:
 def packed_linear_ref(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` with the weight given packed."""
-    return torch.nn.functional.linear(x, unpack_linear_weight_ref(packed), bias)
+    """``x @ weight.T + bias`` with the weight given packed; bfloat16 sums in float32 and
+    rounds once, as the native kernel."""
+    weight = unpack_linear_weight_ref(packed)
+    if packed.dtype == torch.bfloat16:
+        return torch.nn.functional.linear(
+            x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
