@@ -471,3 +471,20 @@ def test_step_log_path_is_checked(monkeypatch, tmp_path):
             envs.get("VLLM_DFLASH2_STEP_LOG")
     monkeypatch.delenv("VLLM_DFLASH2_STEP_LOG")
     assert envs.get("VLLM_DFLASH2_STEP_LOG") is None
+
+
+def test_a_larger_batch_starts_probing_late_where_no_k_pays_at_a_smaller_one():
+    """Batch 8 measured one draft at 1.35 plain steps with acceptance 0.45 (no k pays
+    there); batch 16's first probe then waits ``explore_max`` steps, not
+    ``explore_every``: each probe there costs 2-3 plain steps."""
+    ctl = AdaptiveSpeculation(K)
+    chosen8 = _feed(ctl, 8, lambda k: 0.022 * (1 + 0.35 * k), accept_prob=0.45, steps=300)
+    assert _mode(chosen8) == 0 and 1 in chosen8
+    chosen16 = _feed(ctl, 16, lambda k: 0.028 * (1 + 0.8 * k), accept_prob=0.45, steps=200)
+    first_probe = next(i for i, k in enumerate(chosen16) if k)
+    assert first_probe >= ctl.explore_max, chosen16[:40]
+    # Where batch 8 gains from drafting, batch 16 probes at the usual pace.
+    ctl = AdaptiveSpeculation(K)
+    assert _mode(_feed(ctl, 8, lambda k: 0.022 * (1 + 0.05 * k), accept_prob=0.8)) > 0
+    chosen16 = _feed(ctl, 16, lambda k: 0.028 * (1 + 0.8 * k), accept_prob=0.45, steps=200)
+    assert next(i for i, k in enumerate(chosen16) if k) < ctl.explore_max
