@@ -10,7 +10,8 @@ current batch size it is switched off. It tries a neighbour of its choice now an
 estimates get refreshed: ``explore_every`` steps after the choice at a batch size last
 changed, then at doubling gaps up to ``explore_max`` steps while the choice holds, and up
 to ``hopeless_gap_factor`` times that where even full acceptance could not pay
-(``_hopeless``; there the first gap is ``explore_max``).
+(``_hopeless``; there the first gap is ``explore_max``, as at a new batch size where a
+smaller one shows that no k pays: ``_none_pays_below``).
 The gaps grow because a probe at a large batch size costs up to twice a step
 (verification is compute-bound there): probing at a fixed rate is a fixed loss.
 
