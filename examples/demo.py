@@ -164,6 +164,7 @@ def main() -> int:
                      f"1..{len(PROMPTS)}")
 
     from vllm_dflash2 import assets, cpu_linear
+    from vllm_dflash2.adaptive import enabled_from_env
     from vllm_dflash2.tools.machine import cpu_flags, default_dtype
 
     dtype = args.dtype or default_dtype()
@@ -195,8 +196,7 @@ def main() -> int:
     plain = {c: res[c]["plain"] for c in levels}
     stock = {c: res[c]["stock"] for c in levels} if gemm_row else None
 
-    adaptive = os.environ.get("VLLM_DFLASH2_ADAPTIVE", "1").strip().lower() not in (
-        "0", "false", "off", "no")
+    adaptive = enabled_from_env(default=True)  # what the engine read (on for the CPU backend)
     label = f"DFlash2, up to K = {k} (adaptive)" if adaptive else f"DFlash2, K = {k}"
     print(f"\n=== {label} vs plain decoding (vLLM, greedy, {dtype}) ===")
     print("Speedup: tokens/s over plain decoding on the same GEMM; tau: mean acceptance length "
