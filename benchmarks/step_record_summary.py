@@ -1,8 +1,9 @@
 """What adaptive speculation's drafting steps cost and gained, per measurement.
 
 Reads the per-step record that ``bench_e2e.py --step-record`` writes (``OUT.steps.jsonl``),
-or the file a served engine writes under ``VLLM_DFLASH2_STEP_LOG=FILE``, and, for every measurement of an adaptive engine, sets its drafting steps against plain
-decoding at the same batch size (the median of that measurement's measured k = 0 steps):
+or the file a served engine writes under ``VLLM_DFLASH2_STEP_LOG=FILE``, and, for every
+measurement of an adaptive engine, sets its drafting steps against plain decoding at the
+same batch size (the median of that measurement's measured k = 0 steps):
 
   extra_s   wall time of the measured drafting steps beyond that plain cost
   saved_s   plain steps the accepted drafts made unnecessary: accepted * plain / batch
