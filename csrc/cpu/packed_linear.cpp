@@ -13,8 +13,8 @@
 // input value per row. Reference twin: torch.nn.functional.linear on the
 // unpacked weight (vllm_dflash2/ops/reference.py::packed_linear_ref).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
+#include "group_parallel.h"
 #include "packed_linear_bf16.h"
 #include <torch/library.h>
 #if defined(__x86_64__)
@@ -22,7 +22,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 namespace dflash2 {
@@ -178,23 +177,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
       }
     }
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups);
-  // Too little work to pay for waking threads (~128K multiply-adds each): run inline.
-  if (threads <= 1 || m * k * n < threads * (int64_t{1} << 17) || at::in_parallel_region()) {
-    for (int64_t g = 0; g < groups; ++g) run_group(g);
-    return y.view(out_shape);
-  }
-  // Threads take groups from a shared counter instead of fixed halves: the engine's
-  // other processes share these cores, and a fixed split waits for whichever thread
-  // was descheduled. Small chunks (~8 per thread) keep that wait short.
-  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t g0 = next.fetch_add(chunk); g0 < groups; g0 = next.fetch_add(chunk)) {
-      const int64_t g1 = std::min(groups, g0 + chunk);
-      for (int64_t g = g0; g < g1; ++g) run_group(g);
-    }
-  });
+  for_each_group(groups, m * k * n, run_group);
   return y.view(out_shape);
 }
 

@@ -19,15 +19,14 @@
 // decode row). Rounded to bf16 once, at the end (round to nearest even, as torch).
 // Reference twin: torch.nn.functional.linear in float32 on the unpacked weight,
 // rounded to bf16 (vllm_dflash2/ops/reference.py::packed_linear_ref).
+#include "group_parallel.h"
 #include "packed_linear_bf16.h"
 
-#include <ATen/Parallel.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -187,21 +186,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
       pick(rows, nv)(xp + r0 * k, k, wg, block_stride, pairs, yp + r0 * n + blk * kCols, n, bg);
     }
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups);
-  // Too little work to pay for waking threads: run inline (as the float32 kernel).
-  if (threads <= 1 || m * k * n < threads * (int64_t{1} << 17) || at::in_parallel_region()) {
-    for (int64_t g = 0; g < groups; ++g) run_group(g);
-    return y.view(out_shape);
-  }
-  // Groups from a shared counter, in small chunks (see packed_linear.cpp).
-  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t g0 = next.fetch_add(chunk); g0 < groups; g0 = next.fetch_add(chunk)) {
-      const int64_t g1 = std::min(groups, g0 + chunk);
-      for (int64_t g = g0; g < g1; ++g) run_group(g);
-    }
-  });
+  for_each_group(groups, m * k * n, run_group);
   return y.view(out_shape);
 }
 
