@@ -20,12 +20,13 @@ never trusted on one step: a new batch size measures ``baseline_samples`` plain
 steps before deciding, and once speculating, the first probe and every fourth after
 it re-measure the baseline from scratch (that many plain steps): one stalled plain
 step taken as the baseline makes drafting look worth it where its acceptance never pays.
-A new batch size starts with two steps of full K (the first pays one-off set-up, see
-below), unless a smaller batch size already shows that full K cannot pay (see
-``_cannot_pay_below``), and only that once: a step that also carries a prefill chunk is
-not measured, and the batch sizes a burst of arrivals passes through may only ever come
-with one, so a full-K try there (about twice a plain step beside the prefill) would come
-back with every burst; then k climbs from the probes, at most one past the largest k
+A new batch size measures plain decoding first, then tries two steps of full K (the first
+pays one-off set-up, see below), unless smaller batch sizes already show that full K
+cannot pay (``_cannot_pay_below``), and only that once: a step that also carries a
+prefill chunk is not measured, and the batch sizes a burst of arrivals passes through may
+only ever come with one, so a full-K try there (about twice a plain step beside the
+prefill) would come back with every burst; plain decoding first keeps those batch sizes
+from trying it at all. Then k climbs from the probes, at most one past the largest k
 measured at that batch size, since a line through two noisy points can make every k look
 free. What these rules were measured against: ``docs/performance.md``, "Measurements
 behind the code".
@@ -123,6 +124,7 @@ class AdaptiveSpeculation:
         # drafted / accepted tokens per bucket.
         self.chosen: dict[int, dict[int, int]] = {}
         self.totals: dict[int, dict[int, list]] = {}
+        self._batch_sums: dict[tuple[int, int], int] = {}  # (bucket, k) -> measured batch sizes
         self.accepted_by_bucket: dict[int, list[int]] = {}
 
     @property
@@ -160,6 +162,7 @@ class AdaptiveSpeculation:
         recent.append(seconds)
         total[0] += 1
         total[1] += seconds
+        self._batch_sums[b, k_used] = self._batch_sums.get((b, k_used), 0) + batch_size
 
     def _costs(self, b: int) -> dict[int, float]:
         """k -> seconds per step in bucket ``b`` (median of the recent measurements)."""
@@ -189,16 +192,34 @@ class AdaptiveSpeculation:
         slope = sum((x - mk) * (t - mt) for x, t in zip(ks, ts)) / var if var else 0.0
         return max(1e-9, mt + slope * (k - mk))
 
-    def _cannot_pay_below(self, b: int, k: int) -> bool:
-        """Whether the nearest smaller bucket with k and plain decoding measured says
-        k cannot pay at bucket ``b`` either. Verification only gets more compute-bound
-        with the batch, so a smaller bucket's cost ratio is a lower bound: at batch 16
-        here one K = 7 step cost 6.7 plain steps, too much to spend on finding that out."""
-        for smaller in sorted((x for x in self.samples if x < b), reverse=True):
+    def _cannot_pay_below(self, b: int, k: int, batch_size: int | None = None) -> bool:
+        """Whether smaller buckets show that k cannot pay at bucket ``b`` either, by
+        either of two lower bounds on its cost ratio to plain decoding here.
+        Verification only gets more compute-bound with the batch, so the nearest smaller
+        bucket's ratio (with k and plain decoding measured) is one: at batch 16 here one
+        K = 7 step cost 6.7 plain steps, too much to spend on finding that out. The other
+        holds where that ratio is still low (served, bf16: K = 7 at 1.6 plain steps at
+        batch 4, then 2.9 at 5-8 and 4.9 at 9-16): step cost is convex in the batch (a
+        flat, memory-bound stretch, then compute-bound), so the line through k's costs
+        at the two nearest smaller buckets, at their mean batch sizes, extended to
+        ``batch_size`` stays below k's cost there; over this bucket's plain cost."""
+        nearest = [x for x in sorted(self.samples, reverse=True) if x < b
+                   and k in self._costs(x)]
+        limit = self.expected_tokens(k) / (1 + self.min_gain)  # ratios above it cannot pay
+        for smaller in nearest:
             costs = self._costs(smaller)
-            if 0 in costs and k in costs:
-                return self.expected_tokens(k) < (1 + self.min_gain) * costs[k] / costs[0]
-        return False
+            if 0 in costs:
+                if costs[k] / costs[0] > limit:
+                    return True
+                break
+        plain = self._costs(b).get(0)
+        if batch_size is None or plain is None or len(nearest) < 2:
+            return False
+        (n2, t2), (n1, t1) = ((self._batch_sums[x, k] / self.totals[x][k][0],
+                               self._costs(x)[k]) for x in nearest[:2])
+        if n2 <= n1 or t2 <= t1:
+            return False
+        return t2 + (t2 - t1) * (batch_size - n2) / (n2 - n1) > limit * plain
 
     def _none_pays_below(self, b: int) -> bool:
         """Whether the nearest smaller bucket with plain decoding and some drafting k
@@ -245,16 +266,16 @@ class AdaptiveSpeculation:
             return 0
         b = bucket(batch_size)
         measured = self.samples.get(b, {})
-        # A new batch size: measure full speculation (twice: the first step may pay
-        # set-up; unless a smaller batch size already shows it cannot pay), then plain
-        # decoding a few times (also after a baseline probe cleared it).
-        tries = self._full_tries.get(b, 0)
-        if (tries < self.full_k_tries and self.totals.get(b, {}).get(top, (0,))[0] < 2
-                and (tries or not self._cannot_pay_below(b, top))):
-            self._full_tries[b] = tries + 1
-            return top
+        # A new batch size: measure plain decoding a few times (also after a baseline
+        # probe cleared it), then full speculation (twice: the first step may pay set-up;
+        # unless smaller batch sizes already show it cannot pay).
         if len(measured.get(0, ())) < self.baseline_samples:
             return 0
+        tries = self._full_tries.get(b, 0)
+        if (tries < self.full_k_tries and self.totals.get(b, {}).get(top, (0,))[0] < 2
+                and (tries or not self._cannot_pay_below(b, top, batch_size))):
+            self._full_tries[b] = tries + 1
+            return top
         # Once per step: the medians and the acceptance curve, then E(k) / T(b, k) for every k.
         costs, accept = self._costs(b), self.accept
         # k climbs at most one past the largest k measured here: a line through noisy

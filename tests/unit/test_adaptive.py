@@ -38,19 +38,25 @@ def _mode(xs):
 def test_no_acceptance_turns_speculation_off():
     ctl = AdaptiveSpeculation(K)
     chosen = _feed(ctl, 1, lambda k: 0.07 + 0.01 * k, accept_prob=0.0)
-    # A new batch size measures full speculation twice (the first step may pay one-off
-    # set-up), then none.
-    assert chosen[:3] == [K, K, 0]
+    # A new batch size measures plain decoding, then full speculation twice (the first
+    # step may pay one-off set-up), then none.
+    assert chosen[:6] == [0, 0, 0, K, K, 0]
     assert _mode(chosen) == 0
     assert ctl.expected_tokens(K) == pytest.approx(1.0, abs=0.02)  # prior pseudo-trial left
 
 
 def test_full_k_is_tried_twice_even_if_those_steps_are_not_measured():
     # Batch sizes passed through while a burst of requests is prefilled: their steps carry
-    # prefill chunks and are not measured, so "full K not measured yet" stays true.
+    # prefill chunks and are not measured. Plain decoding is measured first, so those
+    # never try full K (served, c = 16: batch 5-8 tried it twice at 2.9 plain steps).
     ctl = AdaptiveSpeculation(K)
+    assert [ctl.choose(6, K) for _ in range(20)] == [0] * 20
+    for _ in range(3):
+        ctl.observe_step(6, 0, 0.07)
+    # Then full K twice, measured or not ("full K not measured yet" stays true), and only
+    # twice: a batch size passed through again would otherwise try it with every burst.
     assert [ctl.choose(6, K) for _ in range(2)] == [K, K]
-    assert [ctl.choose(6, K) for _ in range(20)] == [0] * 20  # unmeasured: plain decoding
+    assert [ctl.choose(6, K) for _ in range(12)] == [0] * 12  # until the first probe
     # Measured plain steps, high acceptance, cheap drafts: k climbs from the probes.
     chosen = _feed(ctl, 6, lambda k: 0.07 + 0.002 * k, accept_prob=0.95, steps=400)
     assert _mode(chosen) == K
@@ -199,7 +205,8 @@ def test_one_stalled_plain_step_does_not_start_speculation():
     cost = lambda k: 0.064 * (1 + 0.2 * k)  # noqa: E731
     ctl = AdaptiveSpeculation(K)
     chosen = _feed(ctl, 2, _stalling(cost, 1), accept_prob=0.3, steps=64)
-    assert chosen[:5] == [K, K, 0, 0, 0]  # full K, then the baseline
+    # The baseline (the stalled first step was replaced by the next one), then full K.
+    assert chosen[:6] == [0, 0, 0, 0, K, K]
     assert sum(k > 0 for k in chosen[5:]) <= 3  # probes only
 
 
@@ -228,6 +235,9 @@ def test_a_larger_batch_skips_full_speculation_that_cannot_pay():
 def test_a_larger_batch_still_measures_full_speculation_that_may_pay():
     ctl = AdaptiveSpeculation(K)
     _feed(ctl, 1, lambda k: 0.07 + 0.002 * k, accept_prob=0.9)
+    assert [ctl.choose(16, K) for _ in range(3)] == [0, 0, 0]
+    for _ in range(3):
+        ctl.observe_step(16, 0, 0.1)
     assert ctl.choose(16, K) == K
 
 
@@ -357,7 +367,7 @@ def test_a_cold_first_step_does_not_rule_out_full_k():
     cost = lambda k: 0.025 * (1 + 0.2 * (k > 0) + 0.03 * k)  # noqa: E731
     ctl = AdaptiveSpeculation(K)
     chosen = _feed(ctl, 1, _cold_first_step(cost, 0.2), accept_prob=0.9, steps=300)
-    assert chosen[:2] == [K, K]
+    assert chosen[:6] == [0, 0, 0, 0, K, K]  # the cold first plain step was replaced too
     assert ctl.cost[0][K] == pytest.approx(cost(K))  # the cold step was replaced
     assert _mode(chosen) >= K - 1, chosen
 
@@ -488,3 +498,32 @@ def test_a_larger_batch_starts_probing_late_where_no_k_pays_at_a_smaller_one():
     assert _mode(_feed(ctl, 8, lambda k: 0.022 * (1 + 0.05 * k), accept_prob=0.8)) > 0
     chosen16 = _feed(ctl, 16, lambda k: 0.028 * (1 + 0.8 * k), accept_prob=0.45, steps=200)
     assert next(i for i, k in enumerate(chosen16) if k) < ctl.explore_max
+
+
+def test_full_speculation_is_not_tried_where_its_cost_growth_rules_it_out():
+    """Served, bf16, 2 cores: K = 7 cost 1.6 plain steps at batch 4, too little to rule it
+    out at batch 16, where it then cost 4.9. Its cost at batches 2 and 4, extended as a
+    line (step cost is convex in the batch), rules it out at 16 before it is tried."""
+    plain = {2: 0.020, 4: 0.022, 16: 0.031}
+    full = {2: 0.026, 4: 0.035}  # +6.5 ms a request: >= 0.113 s at batch 16 (3.6x plain)
+
+    def run(batches):
+        ctl = AdaptiveSpeculation(K)
+        for n in batches:
+            _feed(ctl, n, lambda k, n=n: plain[n] if k == 0 else full[n], accept_prob=0.5,
+                  steps=40)
+        return ctl
+
+    ctl = run([2, 4])
+    assert ctl.expected_tokens(K) > (1 + ctl.min_gain) * full[4] / plain[4]  # may pay at 4
+    chosen = _feed(ctl, 16, lambda k: plain[16] * (1 + 0.8 * k), accept_prob=0.5, steps=30)
+    assert K not in chosen, chosen
+    # One bucket measured, no line: batch 16 tries K (the nearest ratio alone allows it).
+    ctl = run([4])
+    assert K in _feed(ctl, 16, lambda k: plain[16] * (1 + 0.8 * k), accept_prob=0.5,
+                      steps=30)
+    # Where the line leaves room (cheap rows), batch 16 still tries K.
+    full = {2: 0.026, 4: 0.027}
+    ctl = run([2, 4])
+    assert K in _feed(ctl, 16, lambda k: plain[16] * (1 + 0.05 * k), accept_prob=0.5,
+                      steps=30)
