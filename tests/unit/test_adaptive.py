@@ -527,3 +527,25 @@ def test_full_speculation_is_not_tried_where_its_cost_growth_rules_it_out():
     ctl = run([2, 4])
     assert K in _feed(ctl, 16, lambda k: plain[16] * (1 + 0.05 * k), accept_prob=0.5,
                       steps=30)
+
+
+def test_drafting_costs_come_from_a_line_over_the_measured_ks_not_each_median():
+    """Batch 1, high acceptance, drafts nearly free: full K pays most. K's two steps were
+    measured while the machine was slow (1.4x); k = 1..4 since. Each k's own median
+    kept K looking dear, and k climbed back to it one probe at a time; a line over every
+    drafting k measured takes it at once."""
+    truth = lambda k: 0.015 if k == 0 else 0.020 + 0.0002 * k  # noqa: E731
+    ctl = AdaptiveSpeculation(K)
+    ctl._full_tries[0] = ctl.full_k_tries  # the new-batch-size tries are the slow steps
+    for k, n, slow in [(0, 3, 1.0), (K, 2, 1.4), (1, 3, 1.0), (2, 3, 1.0), (3, 3, 1.0),
+                       (4, 3, 1.0)]:
+        for _ in range(n):
+            ctl.observe_step(1, k, slow * truth(k))
+    assert ctl.estimated_cost(1, K) < 1.15 * truth(K)
+    chosen = _feed(ctl, 1, truth, accept_prob=0.95, steps=60)
+    assert chosen.count(K) >= 50, chosen
+    # The fit never makes drafting cheaper than plain decoding, nor cheaper with k.
+    ctl.samples[0][K].clear()
+    ctl.observe_step(1, K, 0.012)
+    assert all(ctl.estimated_cost(1, k) >= ctl.estimated_cost(1, 0) for k in range(K + 1))
+    assert ctl.estimated_cost(1, K) >= ctl.estimated_cost(1, 1)
