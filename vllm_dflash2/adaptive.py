@@ -228,11 +228,10 @@ class AdaptiveSpeculation:
         ``batch_size`` stays below k's cost there; over this bucket's plain cost."""
         nearest = [x for x in sorted(self.samples, reverse=True) if x < b
                    and k in self._costs(x)]
-        limit = self.expected_tokens(k) / (1 + self.min_gain)  # ratios above it cannot pay
         for smaller in nearest:
             costs = self._costs(smaller)
             if 0 in costs:
-                if costs[k] / costs[0] > limit:
+                if self._loses(k, costs[k], costs[0]):
                     return True
                 break
         plain = self._costs(b).get(0)
@@ -242,7 +241,7 @@ class AdaptiveSpeculation:
                                self._costs(x)[k]) for x in nearest[:2])
         if n2 <= n1 or t2 <= t1:
             return False
-        return t2 + (t2 - t1) * (batch_size - n2) / (n2 - n1) > limit * plain
+        return self._loses(k, t2 + (t2 - t1) * (batch_size - n2) / (n2 - n1), plain)
 
     def _none_pays_below(self, b: int) -> bool:
         """Whether the nearest smaller bucket with plain decoding and some drafting k
@@ -255,9 +254,13 @@ class AdaptiveSpeculation:
             costs = self._costs(smaller)
             drafting = [k for k in costs if k > 0]
             if 0 in costs and drafting:
-                return all(self.expected_tokens(k) < (1 + self.min_gain) * costs[k] / costs[0]
-                           for k in drafting)
+                return all(self._loses(k, costs[k], costs[0]) for k in drafting)
         return False
+
+    def _loses(self, k: int, cost: float, plain: float) -> bool:
+        """Whether k drafts at ``cost`` a step, at the acceptance measured now, gain less
+        than ``min_gain`` over plain decoding at ``plain`` a step."""
+        return self.expected_tokens(k) < (1 + self.min_gain) * cost / plain
 
     def _hopeless(self, b: int, top: int, min_probes: int = 2) -> bool:
         """Whether drafting cannot pay at bucket ``b`` even if every draft were accepted:
