@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include "group_parallel.h"
+#include "linear_io.h"
 #include "packed_linear_bf16.h"
 #include <torch/library.h>
 #if defined(__x86_64__)
@@ -133,33 +134,18 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
               x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "packed_linear: x.size(-1) must be ", k,
               ", got ", x.sizes());
-  const float* b = nullptr;
-  at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat,
                 "packed_linear: bias must be float32 [", n, "], got ", bias->sizes(), " ",
                 bias->scalar_type());
-    bias_c = bias->contiguous();
-    b = bias_c.data_ptr<float>();
   }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  // Rows = product of the leading dims (reshape(-1, 0) would be ambiguous for K = 0).
-  const int64_t m = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  const at::Tensor x2 = x.reshape({m, k}).contiguous();
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y.view(out_shape);
-  if (k == 0) {
-    if (b != nullptr) {
-      y.copy_(bias_c.view({1, n}).expand({m, n}));
-    } else {
-      y.zero_();
-    }
-    return y.view(out_shape);
-  }
-  const float* xp = x2.data_ptr<float>();
+  const LinearIO io = linear_io(x, n, k, bias);
+  if (io.done) return io.out();
+  const int64_t m = io.m;
+  const float* b = io.b;
+  const float* xp = io.x2.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = io.y.data_ptr<float>();
   const int64_t blocks = n / kCols;
   const int64_t groups = (blocks + kMaxVecs - 1) / kMaxVecs;
   const int64_t block_stride = k * kCols;
@@ -178,7 +164,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
     }
   };
   for_each_group(groups, m * k * n, run_group);
-  return y.view(out_shape);
+  return io.out();
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 // Reference twin: torch.nn.functional.linear in float32 on the unpacked weight,
 // rounded to bf16 (vllm_dflash2/ops/reference.py::packed_linear_ref).
 #include "group_parallel.h"
+#include "linear_io.h"
 #include "packed_linear_bf16.h"
 
 #if defined(__x86_64__)
@@ -146,31 +147,17 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
               "packed_linear: x must be bfloat16 for a bfloat16 weight, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "packed_linear: x.size(-1) must be ", k,
               ", got ", x.sizes());
-  at::Tensor bias_f;
-  const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "packed_linear: bias must have ", n, " values, got ",
                 bias->sizes());
-    bias_f = bias->to(at::kFloat).contiguous();
-    b = bias_f.data_ptr<float>();
   }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  const int64_t m = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  const at::Tensor x2 = x.reshape({m, k}).contiguous();
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y.view(out_shape);
-  if (k == 0) {
-    if (b != nullptr) {
-      y.copy_(bias_f.view({1, n}).expand({m, n}));
-    } else {
-      y.zero_();
-    }
-    return y.view(out_shape);
-  }
-  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  const LinearIO io = linear_io(x, n, k, bias);
+  if (io.done) return io.out();
+  const int64_t m = io.m;
+  const float* b = io.b;
+  const auto* xp = reinterpret_cast<const uint16_t*>(io.x2.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(io.y.data_ptr<at::BFloat16>());
   const int64_t blocks = n / kCols;
   const int64_t groups = (blocks + kMaxVecs - 1) / kMaxVecs;
   const int64_t block_stride = pairs * 2 * kCols;
@@ -187,7 +174,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
     }
   };
   for_each_group(groups, m * k * n, run_group);
-  return y.view(out_shape);
+  return io.out();
 }
 
 }  // namespace dflash2
