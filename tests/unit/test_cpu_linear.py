@@ -81,6 +81,22 @@ def test_packed_linear_bf16_matches_reference(m, n, k, with_bias):
 
 
 @native_bf16
+def test_packed_linear_bf16_takes_any_leading_shape_and_an_empty_k():
+    w, b = torch.randn(32, 48).bfloat16(), torch.randn(32).bfloat16()
+    packed = _op.pack_linear_weight(w)
+    x3 = torch.randn(2, 3, 48).bfloat16()
+    y3 = _op.packed_linear(x3, packed, b)
+    assert y3.shape == (2, 3, 32) and y3.dtype == torch.bfloat16
+    _close_bf16(y3.reshape(6, 32), x3.reshape(6, 48), w, b)
+    empty_k = _op.packed_linear(torch.randn(3, 0).bfloat16(),
+                                _op.pack_linear_weight(torch.randn(16, 0).bfloat16()), b[:16])
+    assert torch.equal(empty_k, b[:16].expand(3, 16))
+    no_bias = _op.packed_linear(torch.randn(3, 0).bfloat16(),
+                                _op.pack_linear_weight(torch.randn(16, 0).bfloat16()))
+    assert torch.equal(no_bias, torch.zeros(3, 16, dtype=torch.bfloat16))
+
+
+@native_bf16
 def test_packed_linear_bf16_refuses_bad_input_by_name():
     packed = ops.pack_linear_weight(torch.randn(16, 8).bfloat16())
     with pytest.raises(RuntimeError, match=r"x.size\(-1\) must be 8"):
