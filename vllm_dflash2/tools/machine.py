@@ -4,10 +4,12 @@ here, and the CPU features and environment settings a benchmark records with its
 
 from __future__ import annotations
 
+# ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA: torch's and oneDNN's kernels capped below what
+# the CPU has (e.g. avx2 / AVX2 on an AVX-512 machine, to approximate an AVX2-only one).
 BENCH_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_DFLASH2_ADAPTIVE",
              "VLLM_DFLASH2_DEFER_CONTEXT", "VLLM_CPU_KVCACHE_SPACE",
              "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_DFLASH2_CPU_GEMM",
-             "VLLM_DFLASH2_ALL_ENGINES")
+             "VLLM_DFLASH2_ALL_ENGINES", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 def default_dtype() -> str:
