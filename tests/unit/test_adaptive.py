@@ -505,7 +505,7 @@ def test_full_speculation_is_not_tried_where_its_cost_growth_rules_it_out():
     out at batch 16, where it then cost 4.9. Its cost at batches 2 and 4, extended as a
     line (step cost is convex in the batch), rules it out at 16 before it is tried."""
     plain = {2: 0.020, 4: 0.022, 16: 0.031}
-    full = {2: 0.026, 4: 0.035}  # +6.5 ms a request: >= 0.113 s at batch 16 (3.6x plain)
+    full = {2: 0.026, 4: 0.035}  # +4.5 ms a request: >= 0.089 s at batch 16 (2.9x plain)
 
     def run(batches):
         ctl = AdaptiveSpeculation(K)
