@@ -549,3 +549,20 @@ def test_drafting_costs_come_from_a_line_over_the_measured_ks_not_each_median():
     ctl.observe_step(1, K, 0.012)
     assert all(ctl.estimated_cost(1, k) >= ctl.estimated_cost(1, 0) for k in range(K + 1))
     assert ctl.estimated_cost(1, K) >= ctl.estimated_cost(1, 1)
+
+
+def test_step_log_takes_a_forced_k_controller(tmp_path):
+    """Benchmarks force k (``profiling.force_k``) in engines that also write the step log;
+    its 256th step wrote the controllers' estimates and crashed the engine on the stand-in."""
+    import json
+
+    from vllm_dflash2.adaptive import StepLog
+    from vllm_dflash2.tools.bench.profiling import _FixedK
+
+    path = tmp_path / "steps.jsonl"
+    log, fixed = StepLog(path, every=2), _FixedK(0)
+    for t in range(2):
+        log.write({"t": t, "k": 0}, {True: fixed, False: fixed})
+    log.file.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[-1]["controllers"] == {"greedy": {"fixed_k": [0]}, "sampled": {"fixed_k": [0]}}

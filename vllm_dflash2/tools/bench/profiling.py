@@ -165,6 +165,10 @@ class _FixedK:
     def observe_step(self, batch_size: int, k_used: int, seconds: float) -> None:
         pass
 
+    def snapshot(self) -> dict:
+        """What ``VLLM_DFLASH2_STEP_LOG`` writes every 256 steps in place of estimates."""
+        return {"fixed_k": list(self.ks)}
+
 
 def force_k(worker, k: int | list[int]) -> None:
     """Make an adaptive drafter draft exactly ``k`` every step (measures what k = 0,
