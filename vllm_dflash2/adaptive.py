@@ -130,11 +130,11 @@ class AdaptiveSpeculation:
         self.steps: dict[int, int] = {}
         self._full_tries: dict[int, int] = {}  # bucket -> full-K steps tried at a new bucket
         self._probes: dict[int, _Probes] = {}
-        # For reports only: chosen k, all-time step count and seconds per (bucket, k), and
-        # drafted / accepted tokens per bucket.
+        # All-time per (bucket, k): step count, seconds and summed batch sizes (reports, the
+        # new-bucket full-K tries and ``_cannot_pay_below``'s mean batch sizes). For reports
+        # only: chosen k, and drafted / accepted tokens per bucket.
         self.chosen: dict[int, dict[int, int]] = {}
         self.totals: dict[int, dict[int, list]] = {}
-        self._batch_sums: dict[tuple[int, int], int] = {}  # (bucket, k) -> measured batch sizes
         self.accepted_by_bucket: dict[int, list[int]] = {}
 
     @property
@@ -166,13 +166,13 @@ class AdaptiveSpeculation:
         recent = self.samples.setdefault(b, {}).setdefault(k_used, deque(maxlen=self.window))
         if recent and seconds > self.idle_factor * median(recent):
             return  # the engine sat idle between two steps: not a step cost
-        total = self.totals.setdefault(b, {}).setdefault(k_used, [0, 0.0])
+        total = self.totals.setdefault(b, {}).setdefault(k_used, [0, 0.0, 0])
         if total[0] == 1 and len(recent) == 1 and recent[0] > self.cold_factor * seconds:
             recent.clear()  # the pair's first step paid one-off set-up (module docstring)
         recent.append(seconds)
         total[0] += 1
         total[1] += seconds
-        self._batch_sums[b, k_used] = self._batch_sums.get((b, k_used), 0) + batch_size
+        total[2] += batch_size
 
     def _costs(self, b: int) -> dict[int, float]:
         """k -> seconds per step in bucket ``b`` (median of the recent measurements)."""
@@ -187,10 +187,13 @@ class AdaptiveSpeculation:
     def expected_tokens(self, k: int, accept: list[float] | None = None) -> float:
         return 1.0 + sum((self.accept if accept is None else accept)[:k])
 
-    def estimated_cost(self, batch_size: int, k: int,
-                       costs: dict[int, float] | None = None) -> float | None:
-        """Seconds per step of k drafts at this batch size; ``costs``: this bucket's
-        ``_costs``, when the caller already has them.
+    def estimated_cost(self, batch_size: int, k: int) -> float | None:
+        """Seconds per step of k drafts at this batch size (``_cost_model``)."""
+        return self._cost_model(self._costs(bucket(batch_size)))(k)
+
+    @staticmethod
+    def _cost_model(costs: dict[int, float]) -> Callable[[int], float | None]:
+        """k -> seconds per step, from one bucket's ``_costs``; fitted once, asked per k.
 
         Plain decoding: its median. Drafting, once two drafting ks are measured: a robust
         line over their medians, not each k's own median. Each k is measured at other
@@ -198,22 +201,29 @@ class AdaptiveSpeculation:
         stale: lockstep, batch 1, bf16, k = 1..4 read 23.1, 19.6, 18.6 and 23.3 ms, and
         k = 3 held for ~170 steps where K = 7 paid more. A line with a negative slope is
         flat (drafts cannot get cheaper with k), and no drafting step is cheaper than a
-        plain one."""
-        costs = self._costs(bucket(batch_size)) if costs is None else costs
+        plain one. Otherwise a measured k's median, and for the others the least-squares
+        line through every measured (k, cost) point (None with fewer than two)."""
         drafting = [(j, t) for j, t in costs.items() if j > 0]
-        if k > 0 and len(drafting) >= 2:
-            intercept, slope = _rising_line(drafting)
-            return max(costs.get(0, 0.0), intercept + slope * k, 1e-9)
-        if k in costs:
-            return costs[k]
-        if len(costs) < 2:
-            return None
-        # Least-squares line through the measured (k, cost) points.
-        ks, ts = zip(*sorted(costs.items()))
-        mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
-        var = sum((x - mk) ** 2 for x in ks)
-        slope = sum((x - mk) * (t - mt) for x, t in zip(ks, ts)) / var if var else 0.0
-        return max(1e-9, mt + slope * (k - mk))
+        rising = _rising_line(drafting) if len(drafting) >= 2 else None
+        floor = costs.get(0, 0.0)
+        line = None
+        if len(costs) >= 2:
+            ks, ts = zip(*sorted(costs.items()))
+            mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
+            var = sum((x - mk) ** 2 for x in ks)
+            slope = sum((x - mk) * (t - mt) for x, t in zip(ks, ts)) / var if var else 0.0
+            line = (mk, mt, slope)
+
+        def cost(k: int) -> float | None:
+            if k > 0 and rising is not None:
+                return max(floor, rising[0] + rising[1] * k, 1e-9)
+            if k in costs:
+                return costs[k]
+            if line is None:
+                return None
+            return max(1e-9, line[1] + line[2] * (k - line[0]))
+
+        return cost
 
     def _cannot_pay_below(self, b: int, k: int, batch_size: int | None = None) -> bool:
         """Whether smaller buckets show that k cannot pay at bucket ``b`` either, by
@@ -226,10 +236,9 @@ class AdaptiveSpeculation:
         flat, memory-bound stretch, then compute-bound), so the line through k's costs
         at the two nearest smaller buckets, at their mean batch sizes, extended to
         ``batch_size`` stays below k's cost there; over this bucket's plain cost."""
-        nearest = [x for x in sorted(self.samples, reverse=True) if x < b
-                   and k in self._costs(x)]
-        for smaller in nearest:
-            costs = self._costs(smaller)
+        nearest = [(x, costs) for x in sorted(self.samples, reverse=True) if x < b
+                   for costs in [self._costs(x)] if k in costs]
+        for _, costs in nearest:
             if 0 in costs:
                 if self._loses(k, costs[k], costs[0]):
                     return True
@@ -237,8 +246,8 @@ class AdaptiveSpeculation:
         plain = self._costs(b).get(0)
         if batch_size is None or plain is None or len(nearest) < 2:
             return False
-        (n2, t2), (n1, t1) = ((self._batch_sums[x, k] / self.totals[x][k][0],
-                               self._costs(x)[k]) for x in nearest[:2])
+        (n2, t2), (n1, t1) = ((self.totals[x][k][2] / self.totals[x][k][0], costs[k])
+                              for x, costs in nearest[:2])
         if n2 <= n1 or t2 <= t1:
             return False
         return self._loses(k, t2 + (t2 - t1) * (batch_size - n2) / (n2 - n1), plain)
@@ -307,9 +316,9 @@ class AdaptiveSpeculation:
         # k climbs at most one past the largest k measured here: a line through noisy
         # points (one cheap probe of k = 1) can make every k look free.
         reach = min(top, max(costs) + 1)
-        rates = []
+        rates, cost_of = [], self._cost_model(costs)
         for k in range(reach + 1):
-            cost = self.estimated_cost(batch_size, k, costs)
+            cost = cost_of(k)
             rates.append(0.0 if cost is None else self.expected_tokens(k, accept) / cost)
         best = max(range(reach + 1), key=rates.__getitem__)
         if best and rates[best] < (1 + self.min_gain) * rates[0]:
@@ -358,7 +367,7 @@ class AdaptiveSpeculation:
                 "cost_ms": {b: {k: v * 1e3 for k, v in sorted(c.items())}
                             for b, c in sorted(self.cost.items())},
                 "chosen": {b: dict(sorted(c.items())) for b, c in sorted(self.chosen.items())},
-                "mean_ms": {b: {k: t / n * 1e3 for k, (n, t) in sorted(c.items())}
+                "mean_ms": {b: {k: t / n * 1e3 for k, (n, t, _) in sorted(c.items())}
                             for b, c in sorted(self.totals.items())},
                 "drafted_accepted": dict(sorted(self.accepted_by_bucket.items()))}
 
