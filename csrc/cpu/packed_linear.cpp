@@ -23,7 +23,6 @@
 #endif
 
 #include <algorithm>
-#include <vector>
 
 namespace dflash2 {
 namespace {
